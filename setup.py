@@ -1,0 +1,73 @@
+"""Build spec-kernels: the Python package, plus the CUDA extension `spec_kernels._C` when nvcc is there.
+
+Knobs (environment variables):
+  SPEC_KERNELS_CUDA_ARCHS   archs to compile, default "9.0a;12.0a" (H100/H200 and RTX PRO 6000 Blackwell)
+  SPEC_KERNELS_NO_CUDA=1    skip the extension (pure Triton / PyTorch install)
+  MAX_JOBS                  parallel nvcc jobs, default 2 (one heavy nvcc job takes ~3 GB)
+Without nvcc or without a CUDA build of torch the package installs without the extension and
+says so once, here; `python -m spec_kernels.info` says so again at run time.
+"""
+import glob
+import os
+import shutil
+import sys
+
+from setuptools import setup
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+DEFAULT_ARCHS = "9.0a;12.0a"
+
+
+def _find_cuda_home():
+    """Where the CUDA toolkit lives. /usr/local/bin/nvcc may be a wrapper, so prefer CUDA_HOME
+    and /usr/local/cuda over guessing from the nvcc on PATH (torch's own guess is wrong there)."""
+    for cand in (os.environ.get("CUDA_HOME"), os.environ.get("CUDA_PATH"), "/usr/local/cuda"):
+        if cand and os.path.exists(os.path.join(cand, "bin", "nvcc")):
+            return cand
+    nvcc = shutil.which("nvcc")
+    if nvcc:
+        return os.path.dirname(os.path.dirname(os.path.realpath(nvcc)))
+    return None
+
+
+def _extension_or_reason():
+    if os.environ.get("SPEC_KERNELS_NO_CUDA", "0") == "1":
+        return None, "SPEC_KERNELS_NO_CUDA=1"
+    cuda_home = _find_cuda_home()
+    if cuda_home is None:
+        return None, "no nvcc found (set CUDA_HOME)"
+    try:
+        import torch
+    except ImportError:
+        return None, "torch is not installed at build time"
+    if torch.version.cuda is None:
+        return None, f"torch {torch.__version__} is a CPU build"
+    # torch.utils.cpp_extension reads these when it is imported.
+    os.environ["CUDA_HOME"] = cuda_home
+    os.environ["TORCH_CUDA_ARCH_LIST"] = os.environ.get("SPEC_KERNELS_CUDA_ARCHS", DEFAULT_ARCHS)
+    os.environ.setdefault("MAX_JOBS", "2")
+    from torch.utils.cpp_extension import BuildExtension, CUDAExtension
+
+    # Kernels (.cu) see CUDA headers only; the one torch-facing file is csrc/ops.cpp.
+    sources = ["csrc/ops.cpp"] + sorted(glob.glob("csrc/**/*.cu", recursive=True))
+    ext = CUDAExtension(
+        name="spec_kernels._C",
+        sources=sources,
+        include_dirs=[os.path.join(HERE, "csrc", "include")],
+        extra_compile_args={
+            "cxx": ["-O3"],
+            # -Xptxas=-v prints registers / smem / spills per kernel into the build log.
+            "nvcc": ["-O3", "-lineinfo", "-Xptxas=-v", "--expt-relaxed-constexpr"],
+        },
+    )
+    return (ext, BuildExtension.with_options(use_ninja=True)), None
+
+
+ext_and_cmd, reason = _extension_or_reason()
+if ext_and_cmd is None:
+    print(f"spec-kernels: building WITHOUT the CUDA extension ({reason}); "
+          "the Triton and PyTorch reference paths still work.", file=sys.stderr)
+    setup()
+else:
+    ext, build_ext = ext_and_cmd
+    setup(ext_modules=[ext], cmdclass={"build_ext": build_ext})

@@ -1,0 +1,17 @@
+"""spec-kernels: kernels that make the verify step of speculative decoding cheap.
+
+Every op is a torch custom op (torch.ops.spec_kernels.*) with CUDA, Triton and PyTorch
+reference implementations picked by device (see spec_kernels._ops); `python -m spec_kernels.info`
+shows what this machine will run.
+"""
+from ._checks import set_debug_checks
+from .tree_verify import decode_attention, tree_mask_from_parents, tree_verify_attention
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "tree_verify_attention",
+    "decode_attention",
+    "tree_mask_from_parents",
+    "set_debug_checks",
+]

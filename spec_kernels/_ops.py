@@ -1,0 +1,165 @@
+"""The op layer: loading the CUDA extension once, and the dispatch rule every op follows.
+
+Each public op (torch.ops.spec_kernels.<name>) has up to three implementations:
+
+* ``cuda``      - a kernel from the compiled extension ``spec_kernels._C`` (torch.ops.spec_kernels_cuda.*)
+* ``triton``    - a Triton kernel: on a CUDA device, or on CPU tensors under ``TRITON_INTERPRET=1``
+* ``reference`` - readable PyTorch, the oracle every kernel is tested against; runs anywhere
+
+``impl=None`` takes the first usable one in that order for the tensors' device; ``impl="..."``
+forces one and raises a RuntimeError saying why when it cannot run there.
+"""
+from __future__ import annotations
+
+import functools
+import os
+from dataclasses import dataclass, field
+from typing import Callable, Optional
+
+import torch
+
+IMPL_ORDER = ("cuda", "triton", "reference")
+
+
+# --------------------------------------------------------------------------- extension
+@functools.lru_cache(maxsize=None)
+def _load_extension() -> Optional[str]:
+    """Import spec_kernels._C once. Returns None on success, else why it is unavailable."""
+    try:
+        from spec_kernels import _C  # noqa: F401  (registers torch.ops.spec_kernels_cuda.*)
+    except ImportError as exc:
+        return f"spec_kernels._C is not built or does not load ({exc})"
+    return None
+
+
+def extension_error() -> Optional[str]:
+    """None when the CUDA extension is loaded, else the reason it is not."""
+    return _load_extension()
+
+
+@functools.lru_cache(maxsize=None)
+def compiled_archs() -> tuple[int, ...]:
+    """Archs compiled into the extension as nvcc numbers them (900 = sm_90a, 1200 = sm_120a)."""
+    if _load_extension() is not None:
+        return ()
+    return tuple(torch.ops.spec_kernels_cuda.compiled_archs())
+
+
+def cuda_ops():
+    """torch.ops.spec_kernels_cuda (raises if the extension is not loaded)."""
+    err = _load_extension()
+    if err is not None:
+        raise RuntimeError(err)
+    return torch.ops.spec_kernels_cuda
+
+
+def triton_interpreting() -> bool:
+    """True when Triton kernels run on CPU tensors through the interpreter (TRITON_INTERPRET=1
+    must be set before Triton kernels are defined, i.e. before spec_kernels is imported)."""
+    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+@functools.lru_cache(maxsize=None)
+def _triton_error() -> Optional[str]:
+    try:
+        import triton  # noqa: F401
+    except ImportError as exc:
+        return f"triton is not importable ({exc})"
+    return None
+
+
+# --------------------------------------------------------------------------- availability
+def cuda_unavailable_reason(device: torch.device, op_name: str) -> Optional[str]:
+    if device.type != "cuda":
+        return f"the cuda impl needs CUDA tensors, got device {device}"
+    err = _load_extension()
+    if err is not None:
+        return err
+    if not hasattr(torch.ops.spec_kernels_cuda, op_name):
+        return f"the extension has no kernel for {op_name}"
+    major, minor = torch.cuda.get_device_capability(device)
+    arch = major * 100 + minor * 10
+    if arch not in compiled_archs():
+        return (f"the extension was compiled for {list(compiled_archs())}, this GPU is sm_{major}{minor}; "
+                "rebuild with SPEC_KERNELS_CUDA_ARCHS")
+    return None
+
+
+def triton_unavailable_reason(device: torch.device) -> Optional[str]:
+    err = _triton_error()
+    if err is not None:
+        return err
+    if device.type == "cuda":
+        return None
+    if device.type == "cpu" and triton_interpreting():
+        return None
+    if device.type == "cpu":
+        return "the triton impl runs on CPU tensors only under TRITON_INTERPRET=1"
+    return f"the triton impl does not run on device {device}"
+
+
+def reference_unavailable_reason(device: torch.device) -> Optional[str]:
+    return None if device.type in ("cpu", "cuda") else f"no reference for device {device}"
+
+
+# --------------------------------------------------------------------------- registry
+@dataclass
+class OpImpls:
+    """The implementations of one op, and the rule that picks one."""
+
+    name: str
+    impls: dict[str, Callable] = field(default_factory=dict)
+
+    def register(self, impl: str) -> Callable[[Callable], Callable]:
+        if impl not in IMPL_ORDER:
+            raise ValueError(f"impl must be one of {IMPL_ORDER}, got {impl!r}")
+
+        def deco(fn: Callable) -> Callable:
+            self.impls[impl] = fn
+            return fn
+
+        return deco
+
+    def unavailable_reason(self, impl: str, device: torch.device) -> Optional[str]:
+        if impl not in self.impls:
+            return f"{self.name} has no {impl} implementation"
+        if impl == "cuda":
+            return cuda_unavailable_reason(device, self.name)
+        if impl == "triton":
+            return triton_unavailable_reason(device)
+        return reference_unavailable_reason(device)
+
+    def select(self, device: torch.device, impl: Optional[str] = None) -> tuple[str, Callable]:
+        """(name, function) of the implementation to run for tensors on `device`."""
+        if impl is not None and impl != "":
+            if impl not in IMPL_ORDER:
+                raise ValueError(f"{self.name}: impl must be one of {IMPL_ORDER} or None, got {impl!r}")
+            reason = self.unavailable_reason(impl, device)
+            if reason is not None:
+                raise RuntimeError(f"{self.name}: impl={impl!r} is not available: {reason}")
+            return impl, self.impls[impl]
+        for cand in IMPL_ORDER:
+            if self.unavailable_reason(cand, device) is None:
+                return cand, self.impls[cand]
+        raise RuntimeError(f"{self.name}: no implementation runs on device {device}")
+
+    def explain(self, device: torch.device) -> dict[str, Optional[str]]:
+        """impl -> None if usable on `device`, else the reason it is not."""
+        return {impl: self.unavailable_reason(impl, device) for impl in IMPL_ORDER}
+
+
+REGISTRY: dict[str, OpImpls] = {}
+
+
+def op_impls(name: str) -> OpImpls:
+    """The OpImpls of op `name` (created on first use)."""
+    if name not in REGISTRY:
+        REGISTRY[name] = OpImpls(name)
+    return REGISTRY[name]
+
+
+# --------------------------------------------------------------------------- device facts
+@functools.lru_cache(maxsize=None)
+def sm_count(device_index: int) -> int:
+    """Number of SMs of a CUDA device (launch sizes are derived from it)."""
+    return torch.cuda.get_device_properties(device_index).multi_processor_count

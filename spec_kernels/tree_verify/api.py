@@ -1,0 +1,289 @@
+"""Tree-verify attention: public functions, their checks, and the torch custom ops behind them.
+
+    torch.ops.spec_kernels.tree_verify_attention   (decode is the same op with qo_indptr=None)
+    torch.ops.spec_kernels.tree_mask_from_parents
+
+Each custom op mutates a preallocated output and returns nothing, has a fake implementation
+(FakeTensorMode, torch.compile(fullgraph=True)), and picks its implementation with the dispatch
+rule of spec_kernels._ops (cuda -> triton -> reference, or the one forced with impl=).
+"""
+from __future__ import annotations
+
+import math
+from typing import Optional, Union
+
+import torch
+
+from .._checks import (
+    FLOAT_DTYPES,
+    INDEX_DTYPES,
+    check_index_range,
+    check_indptr_values,
+    check_shape,
+    check_tensor,
+    values_checkable,
+)
+from .._ops import cuda_ops, op_impls
+from . import reference, triton_kernel
+
+MAX_DRAFT_TOKENS = reference.MAX_DRAFT_TOKENS
+HEAD_DIMS = (64, 128, 256)
+
+TREE_VERIFY = op_impls("tree_verify_attention")
+TREE_MASK = op_impls("tree_mask_from_parents")
+
+TREE_VERIFY.register("triton")(triton_kernel.tree_verify_attention)
+
+
+@TREE_VERIFY.register("reference")
+def _tree_verify_reference(q, k_cache, v_cache, kv_indptr, kv_indices, qo_indptr, tree_mask,
+                           sm_scale, out, lse, num_kv_splits=0):
+    # The reference is exact; it has no KV splits.
+    reference.tree_verify_attention(q, k_cache, v_cache, kv_indptr, kv_indices, qo_indptr,
+                                    tree_mask, sm_scale, out, lse)
+
+
+@TREE_MASK.register("cuda")
+def _tree_mask_cuda(parents, qo_indptr, tree_mask):
+    cuda_ops().tree_mask_from_parents(parents.to(torch.int64), qo_indptr, tree_mask)
+
+
+TREE_MASK.register("reference")(reference.tree_mask_from_parents)
+
+
+# --------------------------------------------------------------------------- custom ops
+@torch.library.custom_op("spec_kernels::tree_verify_attention", mutates_args=("out", "lse"))
+def _tree_verify_op(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    kv_indptr: torch.Tensor,
+    kv_indices: torch.Tensor,
+    qo_indptr: Optional[torch.Tensor],
+    tree_mask: Optional[torch.Tensor],
+    sm_scale: float,
+    out: torch.Tensor,
+    lse: Optional[torch.Tensor],
+    impl: str,
+    num_kv_splits: int,
+) -> None:
+    _, fn = TREE_VERIFY.select(q.device, impl or None)
+    fn(q, k_cache, v_cache, kv_indptr, kv_indices, qo_indptr, tree_mask, sm_scale, out, lse, num_kv_splits)
+
+
+@_tree_verify_op.register_fake
+def _(q, k_cache, v_cache, kv_indptr, kv_indices, qo_indptr, tree_mask, sm_scale, out, lse, impl, num_kv_splits):
+    return None
+
+
+@torch.library.custom_op("spec_kernels::tree_mask_from_parents", mutates_args=("tree_mask",))
+def _tree_mask_op(parents: torch.Tensor, qo_indptr: torch.Tensor, tree_mask: torch.Tensor, impl: str) -> None:
+    _, fn = TREE_MASK.select(parents.device, impl or None)
+    fn(parents, qo_indptr, tree_mask)
+
+
+@_tree_mask_op.register_fake
+def _(parents, qo_indptr, tree_mask, impl):
+    return None
+
+
+# --------------------------------------------------------------------------- checks
+def _check_kv(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, kv_indptr, kv_indices):
+    check_tensor(q, "q", dim=3, dtypes=FLOAT_DTYPES)
+    dev = q.device
+    check_tensor(k_cache, "k_cache", dim=3, dtypes=(q.dtype,), device=dev)
+    check_tensor(v_cache, "v_cache", dim=3, dtypes=(q.dtype,), device=dev)
+    check_tensor(kv_indptr, "kv_indptr", dim=1, dtypes=(torch.int32,), device=dev)
+    check_tensor(kv_indices, "kv_indices", dim=1, dtypes=INDEX_DTYPES, device=dev)
+    _, Hq, D = q.shape
+    S, Hkv, Dk = k_cache.shape
+    if Dk != D:
+        raise ValueError(f"k_cache head dim must equal q's ({D}), got k_cache shape {tuple(k_cache.shape)}")
+    if D not in HEAD_DIMS:
+        raise ValueError(f"q head dim must be one of {HEAD_DIMS}, got {D}")
+    if tuple(v_cache.shape[:2]) != (S, Hkv):
+        raise ValueError(f"v_cache must have shape ({S}, {Hkv}, Dv) like k_cache, got {tuple(v_cache.shape)}")
+    if v_cache.shape[2] not in HEAD_DIMS:
+        raise ValueError(f"v_cache head dim must be one of {HEAD_DIMS}, got {v_cache.shape[2]}")
+    if Hkv == 0 or Hq % Hkv != 0:
+        raise ValueError(f"q heads ({Hq}) must be a multiple of k_cache heads ({Hkv})")
+    if kv_indptr.numel() < 1:
+        raise ValueError("kv_indptr must have B+1 >= 1 entries")
+
+
+def _check_out(out: Optional[torch.Tensor], q: torch.Tensor, dv: int) -> torch.Tensor:
+    shape = (q.shape[0], q.shape[1], dv)
+    if out is None:
+        return q.new_empty(shape)
+    check_tensor(out, "out", dim=3, dtypes=(q.dtype,), device=q.device)
+    check_shape(out, "out", shape, "[T, Hq, Dv]")
+    return out
+
+
+def _check_kv_values(kv_ptr: list[int], kv_indices: torch.Tensor, num_slots: int,
+                     draft_counts: list[int]) -> None:
+    if kv_ptr[-1] > kv_indices.numel():
+        raise ValueError(f"kv_indptr[-1]={kv_ptr[-1]} exceeds the length of kv_indices ({kv_indices.numel()})")
+    for b, n in enumerate(draft_counts):
+        kv_len = kv_ptr[b + 1] - kv_ptr[b]
+        if kv_len < 0:
+            raise ValueError(f"kv_indptr must be non-decreasing, request {b} has {kv_len} KV slots")
+        if kv_len < n:
+            raise ValueError(f"kv_indptr is inconsistent with qo_indptr: request {b} has {n} draft "
+                             f"tokens but only {kv_len} KV slots (its drafts' slots must be the last n)")
+    check_index_range(kv_indices[kv_ptr[0]:kv_ptr[-1]], "kv_indices", num_slots, "k_cache.shape[0]")
+
+
+def _scale(sm_scale: Optional[float], head_dim: int) -> float:
+    if sm_scale is None:
+        return 1.0 / math.sqrt(head_dim)
+    sm_scale = float(sm_scale)
+    if not math.isfinite(sm_scale):
+        raise ValueError(f"sm_scale must be finite, got {sm_scale}")
+    return sm_scale
+
+
+# --------------------------------------------------------------------------- public API
+def tree_verify_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    kv_indptr: torch.Tensor,
+    kv_indices: torch.Tensor,
+    qo_indptr: torch.Tensor,
+    tree_mask: torch.Tensor,
+    sm_scale: Optional[float] = None,
+    return_lse: bool = False,
+    out: Optional[torch.Tensor] = None,
+    impl: Optional[str] = None,
+    num_kv_splits: Optional[int] = None,
+) -> Union[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
+    """Attention of a batch of draft-token trees over a paged (token-slot) KV cache.
+
+    Request b owns queries ``q[qo_indptr[b]:qo_indptr[b+1]]`` (its n_b draft tokens in draft
+    order, 0 <= n_b <= 64) and KV slots ``kv_indices[kv_indptr[b]:kv_indptr[b+1]]``: first its
+    prefix (every draft sees all of it), then the slots of its n_b drafts in draft order. Draft
+    i of a request sees draft j iff bit j of ``tree_mask[qo_indptr[b] + i]`` is set (build it
+    with :func:`tree_mask_from_parents`). Query head h reads KV head ``h // (Hq // Hkv)``.
+
+    Args:
+        q: [T, Hq, D] fp16/bf16/fp32, T = qo_indptr[-1]. D in {64, 128, 256}.
+        k_cache: [S, Hkv, D], same dtype as q; Hq must be a multiple of Hkv (MHA, GQA, MQA).
+        v_cache: [S, Hkv, Dv], Dv in {64, 128, 256}.
+        kv_indptr: int32 [B+1]. kv_indices: int32 or int64 slot ids in [0, S).
+        qo_indptr: int32 [B+1]. tree_mask: int64 [T].
+        sm_scale: softmax scale, default 1/sqrt(D).
+        return_lse: also return the natural-log log-sum-exp of each row's logits, fp32 [T, Hq].
+        out: optional [T, Hq, Dv] output buffer (q's dtype), written in place and returned.
+        impl: "cuda", "triton" or "reference" to force one; default the fastest available.
+        num_kv_splits: split every prefix into this many parts (flash-decoding); default from
+            the batch shape and the GPU's SM count, never from the tensors' values.
+
+    Returns:
+        o [T, Hq, Dv] in q's dtype (softmax and accumulation in fp32), or (o, lse).
+        A query that sees no key (empty prefix and an empty mask row) gets zeros and lse = -inf.
+
+    Guarantees: every input's dtype, device, rank, shape and contiguity is checked (ValueError
+    or TypeError naming it). Index values (indptr consistency, n_b <= 64, slot ranges) are
+    checked on CPU tensors, and on CUDA tensors in debug mode (SPEC_KERNELS_DEBUG=1) since that
+    needs a host sync; kernels never access memory out of bounds for invalid values. The GPU
+    paths launch without host synchronisation, so they can be captured in a CUDA graph (warm
+    up first: Triton autotunes on the first call of a shape). Results are deterministic.
+
+    Example:
+        >>> mask = spec_kernels.tree_mask_from_parents(parents, qo_indptr)
+        >>> o = spec_kernels.tree_verify_attention(q, k_cache, v_cache, kv_indptr, kv_indices,
+        ...                                        qo_indptr, mask)
+    """
+    _check_kv(q, k_cache, v_cache, kv_indptr, kv_indices)
+    dev = q.device
+    B = kv_indptr.numel() - 1
+    T = q.shape[0]
+    check_tensor(qo_indptr, "qo_indptr", dim=1, dtypes=(torch.int32,), device=dev)
+    check_shape(qo_indptr, "qo_indptr", (B + 1,), "B+1, like kv_indptr")
+    check_tensor(tree_mask, "tree_mask", dim=1, dtypes=(torch.int64,), device=dev)
+    check_shape(tree_mask, "tree_mask", (T,), "one word per query row")
+    if values_checkable(kv_indptr, qo_indptr, kv_indices):
+        qo = check_indptr_values(qo_indptr, "qo_indptr", T, "q.shape[0]")
+        counts = [qo[b + 1] - qo[b] for b in range(B)]
+        if counts and max(counts) > MAX_DRAFT_TOKENS:
+            b = max(range(B), key=counts.__getitem__)
+            raise ValueError(f"qo_indptr: request {b} has {counts[b]} draft tokens, at most {MAX_DRAFT_TOKENS} are supported")
+        _check_kv_values(kv_indptr.tolist(), kv_indices, k_cache.shape[0], counts)
+    return _run(q, k_cache, v_cache, kv_indptr, kv_indices, qo_indptr, tree_mask, sm_scale, return_lse,
+                out, impl, num_kv_splits)
+
+
+def decode_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    kv_indptr: torch.Tensor,
+    kv_indices: torch.Tensor,
+    sm_scale: Optional[float] = None,
+    return_lse: bool = False,
+    out: Optional[torch.Tensor] = None,
+    impl: Optional[str] = None,
+    num_kv_splits: Optional[int] = None,
+) -> Union[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
+    """Plain decode attention: one query per request over all of its KV slots.
+
+    The n_b = 1 case of :func:`tree_verify_attention` (same kernel, no tree mask):
+    q is [B, Hq, D], request b's slots are ``kv_indices[kv_indptr[b]:kv_indptr[b+1]]``
+    (its last slot is the new token's). Arguments, results and guarantees as there.
+    """
+    _check_kv(q, k_cache, v_cache, kv_indptr, kv_indices)
+    B = kv_indptr.numel() - 1
+    if q.shape[0] != B:
+        raise ValueError(f"q must have one row per request: q.shape[0]={q.shape[0]} but kv_indptr has B={B}")
+    if values_checkable(kv_indptr, kv_indices):
+        _check_kv_values(kv_indptr.tolist(), kv_indices, k_cache.shape[0], [0] * B)
+    return _run(q, k_cache, v_cache, kv_indptr, kv_indices, None, None, sm_scale, return_lse,
+                out, impl, num_kv_splits)
+
+
+def _run(q, k_cache, v_cache, kv_indptr, kv_indices, qo_indptr, tree_mask, sm_scale, return_lse,
+         out, impl, num_kv_splits):
+    if num_kv_splits is not None and not (1 <= int(num_kv_splits) <= triton_kernel.MAX_KV_SPLITS):
+        raise ValueError(f"num_kv_splits must be in [1, {triton_kernel.MAX_KV_SPLITS}], got {num_kv_splits}")
+    out = _check_out(out, q, v_cache.shape[2])
+    lse = q.new_empty(q.shape[:2], dtype=torch.float32) if return_lse else None
+    torch.ops.spec_kernels.tree_verify_attention(
+        q, k_cache, v_cache, kv_indptr, kv_indices, qo_indptr, tree_mask,
+        _scale(sm_scale, q.shape[2]), out, lse, impl or "", int(num_kv_splits or 0),
+    )
+    return (out, lse) if return_lse else out
+
+
+def tree_mask_from_parents(parents: torch.Tensor, qo_indptr: torch.Tensor, impl: Optional[str] = None) -> torch.Tensor:
+    """The tree mask of :func:`tree_verify_attention` from parent pointers.
+
+    Args:
+        parents: int32/int64 [T]; ``parents[qo_indptr[b] + i]`` is the index (within request b)
+            of draft i's parent, or -1 for a root. Parents must precede their children
+            (-1 <= parents[i] < i), as in EAGLE and Medusa trees.
+        qo_indptr: int32 [B+1], request b's drafts are rows qo_indptr[b]:qo_indptr[b+1] (<= 64).
+    Returns:
+        int64 [T]: bit j of row i set iff draft j is draft i itself or one of its ancestors.
+    Parent values are checked on CPU tensors (and on CUDA in debug mode, see
+    tree_verify_attention); an invalid link on CUDA ends that row's walk, never a bad access.
+    """
+    check_tensor(parents, "parents", dim=1, dtypes=INDEX_DTYPES)
+    check_tensor(qo_indptr, "qo_indptr", dim=1, dtypes=(torch.int32,), device=parents.device)
+    if qo_indptr.numel() < 1:
+        raise ValueError("qo_indptr must have B+1 >= 1 entries")
+    T = parents.shape[0]
+    if values_checkable(parents, qo_indptr):
+        qo = check_indptr_values(qo_indptr, "qo_indptr", T, "parents.shape[0]")
+        pv = parents.tolist()
+        for b in range(len(qo) - 1):
+            if qo[b + 1] - qo[b] > MAX_DRAFT_TOKENS:
+                raise ValueError(f"qo_indptr: request {b} has {qo[b + 1] - qo[b]} draft tokens, at most {MAX_DRAFT_TOKENS}")
+            for i in range(qo[b + 1] - qo[b]):
+                p = pv[qo[b] + i]
+                if not -1 <= p < i:
+                    raise ValueError(f"parents[{qo[b] + i}] = {p} (request {b}, draft {i}) must be -1 or "
+                                     f"the index of an earlier draft of the same request (0..{i - 1})")
+    tree_mask = torch.empty(T, dtype=torch.int64, device=parents.device)
+    torch.ops.spec_kernels.tree_mask_from_parents(parents, qo_indptr, tree_mask, impl or "")
+    return tree_mask

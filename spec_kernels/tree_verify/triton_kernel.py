@@ -1,0 +1,329 @@
+"""Triton tree-verify attention (and plain decode, n_b = 1).
+
+One program handles one (request, KV head, row block, KV split):
+
+* rows = the request's n_b draft queries x the GQA group of the KV head, packed row-major
+  (row = draft * group + head_in_group), so every KV tile is read once for all of them;
+* the prefix part of the KV split is streamed with no mask work beyond the tile's bounds;
+* only the tail (the n_b draft slots, handled by the last split) applies the per-row 64-bit
+  ancestor mask;
+* with more than one split, every split writes a normalised partial output and its log-sum-exp,
+  and a second small kernel merges them (a deterministic fixed-order reduction).
+
+The split count depends only on shapes and the SM count (never on kv_indptr values), so a call
+never syncs with the host and is CUDA-graph capturable. Under TRITON_INTERPRET=1 (CPU tensors)
+all arithmetic is done in fp32: the interpreter's bf16 arithmetic is wrong.
+"""
+from __future__ import annotations
+
+import math
+import os
+from typing import Optional
+
+import torch
+import triton
+import triton.language as tl
+
+from .._ops import sm_count, triton_interpreting
+
+LOG2E = 1.4426950408889634
+MAX_KV_SPLITS = 64
+MIN_SPLIT_KEYS = 256  # a split streams at least this many prefix keys (fewer splits on short prefixes)
+
+
+@triton.jit
+def _tree_verify_fwd_kernel(
+    Q, K, V, KV_INDPTR, KV_INDICES, QO_INDPTR, TREE_MASK,
+    O, LSE,  # final outputs (one split) or partial outputs [splits, T, Hq, DV] / [splits, T, Hq]
+    qk_scale,  # sm_scale * log2(e): the softmax runs in base 2
+    stride_qt, stride_qh, stride_ks, stride_kh, stride_vs, stride_vh,
+    stride_ot, stride_oh, stride_os, stride_lt, stride_ls,
+    num_kv_heads, max_rows, num_splits,
+    GROUP: tl.constexpr,
+    D: tl.constexpr,
+    DV: tl.constexpr,
+    IS_DECODE: tl.constexpr,  # no qo_indptr / tree_mask: one query per request sees every slot
+    WRITE_LSE: tl.constexpr,
+    PARTIAL: tl.constexpr,  # write normalised partials + base-2 lse for the combine kernel
+    COMPUTE_F32: tl.constexpr,  # upcast loads (interpreter, fp32 inputs)
+    IEEE_DOT: tl.constexpr,  # fp32 inputs: exact fp32 dot instead of tf32
+    MIN_CHUNK: tl.constexpr,  # smallest prefix share of a split (a multiple of BLOCK_N, or 0)
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    split = tl.program_id(1)
+    num_m_blocks = tl.cdiv(max_rows, BLOCK_M)
+    m_block = pid % num_m_blocks
+    kv_head = (pid // num_m_blocks) % num_kv_heads
+    req = pid // (num_m_blocks * num_kv_heads)
+
+    if IS_DECODE:
+        q_start = req
+        n_draft = 1
+    else:
+        q_start = tl.load(QO_INDPTR + req)
+        n_draft = tl.load(QO_INDPTR + req + 1) - q_start
+    kv_start = tl.load(KV_INDPTR + req).to(tl.int64)
+    kv_len = tl.load(KV_INDPTR + req + 1) - tl.load(KV_INDPTR + req)
+    prefix_len = tl.maximum(kv_len - n_draft, 0)
+
+    rows = n_draft * GROUP
+    if m_block * BLOCK_M < rows:
+        offs_m = m_block * BLOCK_M + tl.arange(0, BLOCK_M)
+        row_ok = offs_m < rows
+        token = (q_start + offs_m // GROUP).to(tl.int64)  # query token of each row
+        head = kv_head * GROUP + offs_m % GROUP  # query head of each row
+        offs_d = tl.arange(0, D)
+        offs_dv = tl.arange(0, DV)
+
+        q = tl.load(Q + token[:, None] * stride_qt + head[:, None] * stride_qh + offs_d[None, :],
+                    mask=row_ok[:, None], other=0.0)
+        if COMPUTE_F32:
+            q = q.to(tl.float32)
+        k_base = K + kv_head * stride_kh
+        v_base = V + kv_head * stride_vh
+
+        m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+        l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+        acc = tl.zeros([BLOCK_M, DV], dtype=tl.float32)
+
+        # ---- prefix: every row sees every key; this split's contiguous share of it
+        chunk = tl.cdiv(tl.cdiv(prefix_len, num_splits), BLOCK_N) * BLOCK_N
+        chunk = tl.maximum(chunk, MIN_CHUNK)
+        lo = split * chunk
+        hi = tl.minimum(prefix_len, lo + chunk)
+        for start in range(lo, hi, BLOCK_N):
+            offs_n = start + tl.arange(0, BLOCK_N)
+            key_ok = offs_n < hi
+            slot = tl.load(KV_INDICES + kv_start + offs_n, mask=key_ok, other=0).to(tl.int64)
+            k = tl.load(k_base + slot[None, :] * stride_ks + offs_d[:, None], mask=key_ok[None, :], other=0.0)
+            v = tl.load(v_base + slot[:, None] * stride_vs + offs_dv[None, :], mask=key_ok[:, None], other=0.0)
+            if COMPUTE_F32:
+                k = k.to(tl.float32)
+                v = v.to(tl.float32)
+            if IEEE_DOT:
+                s = tl.dot(q, k, input_precision="ieee")
+            else:
+                s = tl.dot(q, k)
+            s = tl.where(key_ok[None, :], s * qk_scale, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(s, 1))
+            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+            alpha = tl.math.exp2(m_i - m_safe)
+            p = tl.math.exp2(s - m_safe[:, None])
+            l_i = l_i * alpha + tl.sum(p, 1)
+            if IEEE_DOT:
+                acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision="ieee")
+            else:
+                acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+            m_i = m_new
+
+        # ---- tail: the n_draft draft slots under the ancestor bitmask (last split only)
+        if split == num_splits - 1:
+            if IS_DECODE:
+                row_bits = tl.full([BLOCK_M], 1, dtype=tl.int64)
+            else:
+                row_bits = tl.load(TREE_MASK + token, mask=row_ok, other=0)
+            for t0 in range(0, n_draft, BLOCK_N):
+                offs_j = t0 + tl.arange(0, BLOCK_N)
+                key_ok = (offs_j < n_draft) & (prefix_len + offs_j < kv_len)
+                slot = tl.load(KV_INDICES + kv_start + prefix_len + offs_j, mask=key_ok, other=0).to(tl.int64)
+                k = tl.load(k_base + slot[None, :] * stride_ks + offs_d[:, None], mask=key_ok[None, :], other=0.0)
+                v = tl.load(v_base + slot[:, None] * stride_vs + offs_dv[None, :], mask=key_ok[:, None], other=0.0)
+                if COMPUTE_F32:
+                    k = k.to(tl.float32)
+                    v = v.to(tl.float32)
+                if IEEE_DOT:
+                    s = tl.dot(q, k, input_precision="ieee")
+                else:
+                    s = tl.dot(q, k)
+                bit = (row_bits[:, None] >> tl.minimum(offs_j, 63).to(tl.int64)[None, :]) & 1
+                visible = (bit != 0) & key_ok[None, :]
+                s = tl.where(visible, s * qk_scale, float("-inf"))
+                m_new = tl.maximum(m_i, tl.max(s, 1))
+                m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+                alpha = tl.math.exp2(m_i - m_safe)
+                p = tl.math.exp2(s - m_safe[:, None])
+                l_i = l_i * alpha + tl.sum(p, 1)
+                if IEEE_DOT:
+                    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision="ieee")
+                else:
+                    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+                m_i = m_new
+
+        # ---- epilogue: rows that saw no key get zeros and lse = -inf
+        seen = l_i > 0.0
+        o = acc / tl.where(seen, l_i, 1.0)[:, None]
+        lse2 = tl.where(seen, m_i + tl.math.log2(tl.where(seen, l_i, 1.0)), float("-inf"))
+        o_ptrs = O + token[:, None] * stride_ot + head[:, None] * stride_oh + offs_dv[None, :]
+        if PARTIAL:
+            tl.store(o_ptrs + split * stride_os, o, mask=row_ok[:, None])
+            tl.store(LSE + split * stride_ls + token * stride_lt + head, lse2, mask=row_ok)
+        else:
+            tl.store(o_ptrs, o.to(O.dtype.element_ty), mask=row_ok[:, None])
+            if WRITE_LSE:
+                tl.store(LSE + token * stride_lt + head, lse2 * 0.6931471805599453, mask=row_ok)
+
+
+@triton.jit
+def _merge_splits_kernel(
+    O_PART, LSE_PART, O, LSE,
+    num_heads, num_splits,
+    stride_ps, stride_pt, stride_ph, stride_ls, stride_lt,
+    stride_ot, stride_oh, stride_lse_t,
+    DV: tl.constexpr,
+    BLOCK_S: tl.constexpr,
+    WRITE_LSE: tl.constexpr,
+):
+    """o = sum_s exp2(lse_s - lse) * o_s, lse = log2 sum_s exp2(lse_s); fixed order, no atomics."""
+    pid = tl.program_id(0)
+    token = (pid // num_heads).to(tl.int64)
+    head = pid % num_heads
+    offs_s = tl.arange(0, BLOCK_S)
+    offs_dv = tl.arange(0, DV)
+    s_ok = offs_s < num_splits
+    lse_s = tl.load(LSE_PART + offs_s * stride_ls + token * stride_lt + head, mask=s_ok, other=float("-inf"))
+    m = tl.max(lse_s, 0)
+    m_safe = tl.where(m == float("-inf"), 0.0, m)
+    w = tl.math.exp2(lse_s - m_safe)  # 0 for empty splits
+    total = tl.sum(w, 0)
+    o_s = tl.load(O_PART + offs_s[:, None] * stride_ps + token * stride_pt + head * stride_ph + offs_dv[None, :],
+                  mask=s_ok[:, None], other=0.0)
+    o = tl.sum(o_s * w[:, None], 0) / tl.where(total > 0.0, total, 1.0)
+    tl.store(O + token * stride_ot + head * stride_oh + offs_dv, o.to(O.dtype.element_ty))
+    if WRITE_LSE:
+        lse = tl.where(total > 0.0, m_safe + tl.math.log2(tl.where(total > 0.0, total, 1.0)), float("-inf"))
+        tl.store(LSE + token * stride_lse_t + head, lse * 0.6931471805599453)
+
+
+# --------------------------------------------------------------------------- launch configuration
+def _default_block_m(max_rows: int, head_dim: int) -> int:
+    cap = 64 if head_dim >= 256 else 128
+    return max(16, min(cap, triton.next_power_of_2(max_rows)))
+
+
+def _autotune_configs():
+    # BLOCK_M is chosen from the rows per request (below); the search is over the KV tile and
+    # the pipeline. Few configs: each is a compile on first use of a shape bucket.
+    return [
+        triton.Config({"BLOCK_N": bn}, num_warps=w, num_stages=st)
+        for bn, w, st in [(32, 4, 2), (64, 4, 2), (64, 4, 3), (64, 8, 3), (128, 8, 2), (128, 4, 2)]
+    ]
+
+
+def _prune_configs(configs, named_args, **kwargs):
+    # Keep the K and V tiles of one stage within ~48 KB of shared memory (fits the 99 KB of sm_120).
+    d = named_args["D"] if "D" in named_args else kwargs["D"]
+    dv = named_args["DV"] if "DV" in named_args else kwargs["DV"]
+    bytes_per = 2
+    kept = [c for c in configs if c.kwargs["BLOCK_N"] * (d + dv) * bytes_per * c.num_stages <= 96 * 1024]
+    return kept or configs[:1]
+
+
+_tuned_kernel = None
+
+
+def _kernel_for_launch():
+    """The autotuned kernel on a GPU; under the interpreter (or with SPEC_KERNELS_TRITON_AUTOTUNE=0)
+    the plain kernel with a fixed BLOCK_N."""
+    global _tuned_kernel
+    if triton_interpreting() or os.environ.get("SPEC_KERNELS_TRITON_AUTOTUNE", "1") == "0":
+        return _tree_verify_fwd_kernel, True
+    if _tuned_kernel is None:
+        _tuned_kernel = triton.autotune(
+            configs=_autotune_configs(),
+            key=["max_rows", "GROUP", "D", "DV", "IS_DECODE", "PARTIAL", "BLOCK_M"],
+            prune_configs_by={"early_config_prune": _prune_configs},
+        )(_tree_verify_fwd_kernel)
+    return _tuned_kernel, False
+
+
+def default_num_kv_splits(device: torch.device, num_requests: int, num_kv_heads: int, max_rows: int) -> int:
+    """KV splits so that the grid fills the GPU about twice; 1 on CPU. Shapes only: no host sync."""
+    if device.type != "cuda" or num_requests == 0:
+        return 1
+    ctas = num_requests * num_kv_heads * triton.cdiv(max_rows, _default_block_m(max_rows, 128))
+    sms = sm_count(device.index if device.index is not None else torch.cuda.current_device())
+    if ctas >= sms:
+        return 1
+    return max(1, min(MAX_KV_SPLITS, triton.cdiv(2 * sms, ctas)))
+
+
+def tree_verify_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    kv_indptr: torch.Tensor,
+    kv_indices: torch.Tensor,
+    qo_indptr: Optional[torch.Tensor],
+    tree_mask: Optional[torch.Tensor],
+    sm_scale: float,
+    out: torch.Tensor,
+    lse: Optional[torch.Tensor],
+    num_kv_splits: int = 0,
+    block_m: Optional[int] = None,
+    block_n: Optional[int] = None,
+) -> None:
+    """Launch the Triton kernel(s). Arguments as in spec_kernels.tree_verify_attention (already
+    checked); num_kv_splits=0 picks from the device; block_m/block_n override the tile (tests)."""
+    T, Hq, D = q.shape
+    Hkv, Dv = k_cache.shape[1], v_cache.shape[2]
+    B = kv_indptr.numel() - 1
+    if T == 0 or B == 0:
+        return
+    group = Hq // Hkv
+    is_decode = qo_indptr is None
+    max_draft = 1 if is_decode else min(T, 64)
+    max_rows = max_draft * group
+    splits = num_kv_splits or default_num_kv_splits(q.device, B, Hkv, max_rows)
+    kernel, fixed = _kernel_for_launch()
+    block_m = block_m or _default_block_m(max_rows, max(D, Dv))
+    compute_f32 = triton_interpreting() or q.dtype == torch.float32
+    ieee = q.dtype == torch.float32
+    # A placeholder for absent optional pointers (never dereferenced: constexpr branches).
+    qo_ptr = qo_indptr if qo_indptr is not None else kv_indptr
+    mask_ptr = tree_mask if tree_mask is not None else kv_indptr
+
+    partial = splits > 1
+    if partial:
+        o_dst = torch.empty((splits, T, Hq, Dv), dtype=torch.float32, device=q.device)
+        lse_dst = torch.empty((splits, T, Hq), dtype=torch.float32, device=q.device)
+        strides_o = (o_dst.stride(1), o_dst.stride(2), o_dst.stride(0))
+        strides_l = (lse_dst.stride(1), lse_dst.stride(0))
+    else:
+        o_dst, lse_dst = out, (lse if lse is not None else out)
+        strides_o = (out.stride(0), out.stride(1), 0)
+        strides_l = (lse.stride(0) if lse is not None else 0, 0)
+
+    args = (
+        q, k_cache, v_cache, kv_indptr, kv_indices, qo_ptr, mask_ptr, o_dst, lse_dst,
+        sm_scale * LOG2E,
+        q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), v_cache.stride(0), v_cache.stride(1),
+        *strides_o, *strides_l,
+        Hkv, max_rows, splits,
+    )
+    meta = dict(
+        GROUP=group, D=D, DV=Dv, IS_DECODE=is_decode, WRITE_LSE=lse is not None, PARTIAL=partial,
+        COMPUTE_F32=compute_f32, IEEE_DOT=ieee,
+        # A forced split count divides the prefix evenly; the automatic one keeps splits >= 256 keys.
+        MIN_CHUNK=0 if num_kv_splits else MIN_SPLIT_KEYS,
+        BLOCK_M=block_m,
+    )
+
+    def grid(META):
+        return (B * Hkv * triton.cdiv(max_rows, META["BLOCK_M"]), splits)
+
+    if fixed or block_n is not None:
+        bn = block_n or (32 if triton_interpreting() else 64)
+        _tree_verify_fwd_kernel[grid](*args, **meta, BLOCK_N=bn, num_warps=4)
+    else:
+        kernel[grid](*args, **meta)
+
+    if partial:
+        _merge_splits_kernel[(T * Hq,)](
+            o_dst, lse_dst, out, lse if lse is not None else out,
+            Hq, splits,
+            o_dst.stride(0), o_dst.stride(1), o_dst.stride(2), lse_dst.stride(0), lse_dst.stride(1),
+            out.stride(0), out.stride(1), lse.stride(0) if lse is not None else 0,
+            DV=Dv, BLOCK_S=triton.next_power_of_2(splits), WRITE_LSE=lse is not None,
+        )
