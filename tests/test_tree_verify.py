@@ -1,0 +1,145 @@
+"""tree_verify_attention / decode_attention: reference vs a naive dense-mask oracle, and the
+Triton kernel (interpreter on CPU, compiled on GPU) vs the reference over random batches."""
+import pytest
+import torch
+
+import spec_kernels
+from spec_kernels.tree_verify import triton_kernel
+from tree_cases import make_case, naive_attention
+
+ATOL = 2e-3  # the issue's bound for fp32 compute
+
+# (draft counts, prefix lengths, tree kind, Hq, Hkv): random trees, odd sizes, empty prefixes,
+# mixed draft counts including 0, MHA / GQA 4 / GQA 8 / MQA.
+GRID = [
+    pytest.param([3, 5, 16], [37, 0, 150], "chain", 8, 2, id="chains-gqa4"),
+    pytest.param([7, 1, 12], [5, 90, 33], "wide", 8, 2, id="wide-gqa4"),
+    pytest.param([9, 16], [123, 17], "random", 8, 1, id="deep-mqa"),
+    pytest.param([16, 0, 4, 0], [64, 40, 0, 0], "forest", 8, 1, id="forest-gqa8-zero-drafts"),
+    pytest.param([1, 1, 1, 1, 1], [0, 1, 63, 64, 65], "chain", 2, 2, id="n1-mha"),
+    pytest.param([64], [30], "random", 4, 1, id="n64-gqa4"),
+    pytest.param([64, 2], [0, 0], "chain", 2, 2, id="n64-empty-prefix"),
+    pytest.param([5, 11, 3], [0, 0, 0], "random", 4, 4, id="empty-prefixes"),
+]
+
+
+@pytest.mark.parametrize("ns,prefixes,kind,hq,hkv", GRID)
+def test_reference_matches_naive_dense_mask(ns, prefixes, kind, hq, hkv):
+    case = make_case(ns, prefixes, hq=hq, hkv=hkv, kind=kind, seed=1)
+    out, lse = spec_kernels.tree_verify_attention(*case.args, return_lse=True, impl="reference")
+    want, want_lse = naive_attention(case)
+    torch.testing.assert_close(out.double(), want, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(lse.double(), want_lse, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("ns,prefixes,kind,hq,hkv", GRID)
+@pytest.mark.parametrize("splits", [None, 3])
+def test_triton_matches_reference(ns, prefixes, kind, hq, hkv, splits):
+    case = make_case(ns, prefixes, hq=hq, hkv=hkv, kind=kind, seed=2)
+    ref, ref_lse = spec_kernels.tree_verify_attention(*case.args, return_lse=True, impl="reference")
+    out, lse = spec_kernels.tree_verify_attention(*case.args, return_lse=True, impl="triton", num_kv_splits=splits)
+    torch.testing.assert_close(out, ref, atol=ATOL, rtol=0)
+    torch.testing.assert_close(lse, ref_lse, atol=ATOL, rtol=0)
+
+
+@pytest.mark.parametrize("d,dv", [(128, 128), (128, 64), (256, 256)])
+def test_triton_head_dims(d, dv):
+    case = make_case([4, 9], [20, 45], hq=4, hkv=2, d=d, dv=dv, seed=3)
+    ref = spec_kernels.tree_verify_attention(*case.args, impl="reference")
+    out = spec_kernels.tree_verify_attention(*case.args, impl="triton", num_kv_splits=2)
+    torch.testing.assert_close(out, ref, atol=ATOL, rtol=0)
+
+
+def test_triton_small_tiles_many_row_blocks_and_tail_tiles():
+    # 16-row / 16-key tiles: rows span several blocks and the 40-draft tail spans three tiles.
+    case = make_case([40, 6], [50, 3], hq=4, hkv=1, kind="random", seed=4)
+    ref = spec_kernels.tree_verify_attention(*case.args, impl="reference")
+    out = torch.empty_like(ref)
+    triton_kernel.tree_verify_attention(*case.args, 0.125, out, None, num_kv_splits=4, block_m=16, block_n=16)
+    want = spec_kernels.tree_verify_attention(*case.args, sm_scale=0.125, impl="reference")
+    torch.testing.assert_close(out, want, atol=ATOL, rtol=0)
+    assert not torch.equal(out, ref)  # the scale was really applied
+
+
+@pytest.mark.parametrize("impl", ["reference", "triton"])
+def test_sm_scale_int64_indices_and_out_buffer(impl):
+    case = make_case([6, 2], [31, 8], hq=4, hkv=2, index_dtype=torch.int64, seed=5)
+    out = torch.full((8, 4, 64), float("nan"))
+    got = spec_kernels.tree_verify_attention(*case.args, sm_scale=0.3, out=out, impl=impl)
+    assert got is out
+    want, _ = naive_attention(case, sm_scale=0.3)
+    torch.testing.assert_close(out.double(), want, atol=ATOL, rtol=0)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_triton_half_inputs(dtype):
+    # The interpreter computes in fp32 after exact loads; the output is rounded to dtype.
+    case = make_case([5, 3], [40, 12], hq=4, hkv=2, dtype=dtype, seed=6)
+    ref = spec_kernels.tree_verify_attention(*case.args, impl="reference")
+    out = spec_kernels.tree_verify_attention(*case.args, impl="triton", num_kv_splits=2)
+    assert out.dtype == dtype
+    torch.testing.assert_close(out.float(), ref.float(), atol=1e-2, rtol=1e-2)
+
+
+def test_query_that_sees_nothing_gets_zeros_and_minus_inf_lse():
+    case = make_case([3], [0], hq=2, hkv=1, kind="chain", seed=7)
+    case.tree_mask[1] = 0  # draft 1 sees no key at all
+    for impl in ("reference", "triton"):
+        out, lse = spec_kernels.tree_verify_attention(*case.args, return_lse=True, impl=impl, num_kv_splits=2)
+        assert torch.all(out[1] == 0) and torch.all(lse[1] == float("-inf"))
+        assert torch.isfinite(out).all()
+
+
+@pytest.mark.parametrize("splits", [None, 2, 5])
+def test_decode_triton_matches_reference_and_naive(splits):
+    case = make_case([1] * 5, [0, 9, 70, 128, 33], hq=8, hkv=2, seed=8)
+    ref, ref_lse = spec_kernels.decode_attention(case.q, case.k_cache, case.v_cache, case.kv_indptr,
+                                                 case.kv_indices, return_lse=True, impl="reference")
+    out, lse = spec_kernels.decode_attention(case.q, case.k_cache, case.v_cache, case.kv_indptr,
+                                             case.kv_indices, return_lse=True, impl="triton", num_kv_splits=splits)
+    want, want_lse = naive_attention(case, decode=True)
+    torch.testing.assert_close(ref.double(), want, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(out, ref, atol=ATOL, rtol=0)
+    torch.testing.assert_close(lse, ref_lse, atol=ATOL, rtol=0)
+
+
+def test_decode_equals_tree_verify_with_one_draft():
+    case = make_case([1, 1, 1], [10, 0, 77], hq=4, hkv=1, seed=9)
+    tree = spec_kernels.tree_verify_attention(*case.args, impl="triton")
+    dec = spec_kernels.decode_attention(case.q, case.k_cache, case.v_cache, case.kv_indptr, case.kv_indices, impl="triton")
+    torch.testing.assert_close(dec, tree, atol=1e-6, rtol=0)
+
+
+def test_triton_is_deterministic():
+    case = make_case([16, 7], [100, 60], hq=8, hkv=2, seed=10)
+    a = spec_kernels.tree_verify_attention(*case.args, impl="triton", num_kv_splits=3)
+    b = spec_kernels.tree_verify_attention(*case.args, impl="triton", num_kv_splits=3)
+    assert torch.equal(a, b)
+
+
+def test_empty_batch():
+    case = make_case([], [], hq=4, hkv=2, seed=11)
+    for impl in ("reference", "triton"):
+        out = spec_kernels.tree_verify_attention(*case.args, impl=impl)
+        assert out.shape == (0, 4, 64)
+
+
+# ----------------------------------------------------------------------------- GPU
+GPU_GRID = GRID + [
+    pytest.param([16] * 8, [4096] * 8, "random", 32, 8, id="gpu-b8-l4k"),
+    pytest.param([16, 1, 64], [32768, 100, 1000], "random", 32, 4, id="gpu-32k-mixed"),
+    pytest.param([16], [131072], "chain", 8, 1, id="gpu-128k"),
+    pytest.param([4] * 256, [512] * 256, "random", 16, 2, id="gpu-b256"),
+]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("ns,prefixes,kind,hq,hkv", GPU_GRID)
+def test_gpu_triton_matches_reference(ns, prefixes, kind, hq, hkv, dtype):
+    case = make_case(ns, prefixes, hq=hq, hkv=hkv, d=128, kind=kind, dtype=dtype, seed=12, device="cuda")
+    ref, ref_lse = spec_kernels.tree_verify_attention(*case.args, return_lse=True, impl="reference")
+    out, lse = spec_kernels.tree_verify_attention(*case.args, return_lse=True, impl="triton")
+    tol = ATOL if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(out.float(), ref.float(), atol=tol, rtol=tol)
+    torch.testing.assert_close(lse, ref_lse, atol=tol, rtol=tol)
