@@ -109,37 +109,49 @@ class OpImpls:
 
     name: str
     impls: dict[str, Callable] = field(default_factory=dict)
+    # impl -> predicate over the call's arguments: None if it handles them, else why not
+    # (e.g. the CUDA kernels take fp16/bf16 only); the dispatch then tries the next impl.
+    supports: dict[str, Callable[..., Optional[str]]] = field(default_factory=dict)
 
-    def register(self, impl: str) -> Callable[[Callable], Callable]:
+    def register(self, impl: str, supports: Optional[Callable[..., Optional[str]]] = None) -> Callable[[Callable], Callable]:
         if impl not in IMPL_ORDER:
             raise ValueError(f"impl must be one of {IMPL_ORDER}, got {impl!r}")
 
         def deco(fn: Callable) -> Callable:
             self.impls[impl] = fn
+            if supports is not None:
+                self.supports[impl] = supports
             return fn
 
         return deco
 
-    def unavailable_reason(self, impl: str, device: torch.device) -> Optional[str]:
+    def unavailable_reason(self, impl: str, device: torch.device, args: tuple = ()) -> Optional[str]:
+        """None if `impl` runs on `device` (and, when `args` are given, handles those call
+        arguments), else the reason it does not."""
         if impl not in self.impls:
             return f"{self.name} has no {impl} implementation"
         if impl == "cuda":
-            return cuda_unavailable_reason(device, self.name)
-        if impl == "triton":
-            return triton_unavailable_reason(device)
-        return reference_unavailable_reason(device)
+            reason = cuda_unavailable_reason(device, self.name)
+        elif impl == "triton":
+            reason = triton_unavailable_reason(device)
+        else:
+            reason = reference_unavailable_reason(device)
+        if reason is None and args and impl in self.supports:
+            reason = self.supports[impl](*args)
+        return reason
 
-    def select(self, device: torch.device, impl: Optional[str] = None) -> tuple[str, Callable]:
-        """(name, function) of the implementation to run for tensors on `device`."""
+    def select(self, device: torch.device, impl: Optional[str] = None, args: tuple = ()) -> tuple[str, Callable]:
+        """(name, function) of the implementation to run for tensors on `device` (and, for
+        impls with a `supports` predicate, for these call arguments)."""
         if impl is not None and impl != "":
             if impl not in IMPL_ORDER:
                 raise ValueError(f"{self.name}: impl must be one of {IMPL_ORDER} or None, got {impl!r}")
-            reason = self.unavailable_reason(impl, device)
+            reason = self.unavailable_reason(impl, device, args)
             if reason is not None:
                 raise RuntimeError(f"{self.name}: impl={impl!r} is not available: {reason}")
             return impl, self.impls[impl]
         for cand in IMPL_ORDER:
-            if self.unavailable_reason(cand, device) is None:
+            if self.unavailable_reason(cand, device, args) is None:
                 return cand, self.impls[cand]
         raise RuntimeError(f"{self.name}: no implementation runs on device {device}")
 

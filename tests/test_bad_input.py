@@ -59,6 +59,7 @@ def test_valid_case_runs(case):
     (lambda c: dict(kv_indices=c.kv_indices + 1000), ValueError, r"kv_indices values must be in \[0, k_cache.shape\[0\]"),
     (lambda c: dict(sm_scale=float("nan")), ValueError, "sm_scale must be finite"),
     (lambda c: dict(num_kv_splits=0), ValueError, "num_kv_splits must be in"),
+    (lambda c: dict(max_draft_tokens=65), ValueError, "max_draft_tokens must be in"),
     # implementations
     (lambda c: dict(impl="fast"), ValueError, "impl must be one of"),
     (lambda c: dict(impl="cuda"), RuntimeError, "impl='cuda' is not available"),

@@ -57,9 +57,9 @@ def test_opcheck(case):
     out = torch.empty(8, 4, 64)
     lse = torch.empty(8, 4)
     torch.library.opcheck(torch.ops.spec_kernels.tree_verify_attention.default,
-                          (*case.args, 0.125, out, lse, "reference", 0))
+                          (*case.args, 0.125, out, lse, "reference", 0, 0))
     torch.library.opcheck(torch.ops.spec_kernels.tree_verify_attention.default,
-                          (*case.args[:5], None, None, 0.125, out[:3].clone(), None, "reference", 0))
+                          (*case.args[:5], None, None, 0.125, out[:3].clone(), None, "reference", 0, 1))
     torch.library.opcheck(torch.ops.spec_kernels.tree_mask_from_parents.default,
                           (case.parents, case.qo_indptr, torch.empty(8, dtype=torch.int64), ""))
 

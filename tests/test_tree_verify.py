@@ -117,6 +117,15 @@ def test_triton_is_deterministic():
     assert torch.equal(a, b)
 
 
+def test_max_draft_tokens_bound_sizes_the_launch():
+    case = make_case([16, 3, 16], [40, 0, 7], hq=8, hkv=2, seed=12)
+    ref = spec_kernels.tree_verify_attention(*case.args, impl="reference")
+    out = spec_kernels.tree_verify_attention(*case.args, impl="triton", max_draft_tokens=16)
+    torch.testing.assert_close(out, ref, atol=ATOL, rtol=0)
+    with pytest.raises(ValueError, match="request 0 has 16 draft tokens, at most 8 max_draft_tokens"):
+        spec_kernels.tree_verify_attention(*case.args, impl="triton", max_draft_tokens=8)
+
+
 def test_empty_batch():
     case = make_case([], [], hq=4, hkv=2, seed=11)
     for impl in ("reference", "triton"):
@@ -133,13 +142,53 @@ GPU_GRID = GRID + [
 ]
 
 
+def _gpu_impls(dtype):
+    # The CUDA kernel runs fp16/bf16 on tensor cores; fp32 goes to Triton.
+    return ["triton"] + (["cuda"] if dtype != torch.float32 else [])
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
 @pytest.mark.parametrize("ns,prefixes,kind,hq,hkv", GPU_GRID)
-def test_gpu_triton_matches_reference(ns, prefixes, kind, hq, hkv, dtype):
+def test_gpu_kernels_match_reference(ns, prefixes, kind, hq, hkv, dtype):
     case = make_case(ns, prefixes, hq=hq, hkv=hkv, d=128, kind=kind, dtype=dtype, seed=12, device="cuda")
     ref, ref_lse = spec_kernels.tree_verify_attention(*case.args, return_lse=True, impl="reference")
-    out, lse = spec_kernels.tree_verify_attention(*case.args, return_lse=True, impl="triton")
     tol = ATOL if dtype == torch.float32 else 2e-2
-    torch.testing.assert_close(out.float(), ref.float(), atol=tol, rtol=tol)
-    torch.testing.assert_close(lse, ref_lse, atol=tol, rtol=tol)
+    for impl in _gpu_impls(dtype):
+        for splits in (None, 3):
+            out, lse = spec_kernels.tree_verify_attention(*case.args, return_lse=True, impl=impl, num_kv_splits=splits)
+            torch.testing.assert_close(out.float(), ref.float(), atol=tol, rtol=tol, msg=f"{impl} splits={splits}")
+            torch.testing.assert_close(lse, ref_lse, atol=tol, rtol=tol, msg=f"{impl} splits={splits}")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("d", [64, 256])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_gpu_cuda_head_dims(d, dtype):
+    case = make_case([16, 1, 40, 0], [3000, 17, 0, 9], hq=16, hkv=2, d=d, dtype=dtype, seed=13, device="cuda")
+    ref = spec_kernels.tree_verify_attention(*case.args, impl="reference")
+    out = spec_kernels.tree_verify_attention(*case.args, impl="cuda")
+    torch.testing.assert_close(out.float(), ref.float(), atol=2e-2, rtol=2e-2)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("splits", [None, 1, 7])
+def test_gpu_cuda_decode_and_determinism(splits):
+    case = make_case([1] * 33, [0] + [4097] * 32, hq=32, hkv=8, d=128, dtype=torch.bfloat16, seed=14, device="cuda")
+    args = (case.q, case.k_cache, case.v_cache, case.kv_indptr, case.kv_indices)
+    ref, ref_lse = spec_kernels.decode_attention(*args, return_lse=True, impl="reference")
+    out, lse = spec_kernels.decode_attention(*args, return_lse=True, impl="cuda", num_kv_splits=splits)
+    torch.testing.assert_close(out.float(), ref.float(), atol=2e-2, rtol=2e-2)
+    torch.testing.assert_close(lse, ref_lse, atol=2e-2, rtol=2e-2)
+    again = spec_kernels.decode_attention(*args, impl="cuda", num_kv_splits=splits)
+    assert torch.equal(out, again)  # bitwise deterministic
+
+
+@pytest.mark.gpu
+def test_gpu_cuda_is_the_default_for_half_inputs():
+    from spec_kernels.tree_verify.api import TREE_VERIFY
+
+    case = make_case([4], [100], hq=8, hkv=2, d=128, dtype=torch.float16, seed=15, device="cuda")
+    assert TREE_VERIFY.select(case.q.device, None, args=case.args[:3])[0] == "cuda"
+    q32 = case.q.float()
+    assert TREE_VERIFY.select(case.q.device, None, args=(q32, case.k_cache.float(), case.v_cache.float()))[0] == "triton"

@@ -24,7 +24,9 @@ from .._checks import (
     values_checkable,
 )
 from .._ops import cuda_ops, op_impls
+from . import cuda as cuda_binding
 from . import reference, triton_kernel
+from .launch_plan import MAX_KV_SPLITS
 
 MAX_DRAFT_TOKENS = reference.MAX_DRAFT_TOKENS
 HEAD_DIMS = (64, 128, 256)
@@ -32,13 +34,14 @@ HEAD_DIMS = (64, 128, 256)
 TREE_VERIFY = op_impls("tree_verify_attention")
 TREE_MASK = op_impls("tree_mask_from_parents")
 
+TREE_VERIFY.register("cuda", supports=cuda_binding.supports)(cuda_binding.tree_verify_attention)
 TREE_VERIFY.register("triton")(triton_kernel.tree_verify_attention)
 
 
 @TREE_VERIFY.register("reference")
 def _tree_verify_reference(q, k_cache, v_cache, kv_indptr, kv_indices, qo_indptr, tree_mask,
-                           sm_scale, out, lse, num_kv_splits=0):
-    # The reference is exact; it has no KV splits.
+                           sm_scale, out, lse, num_kv_splits=0, max_draft_tokens=0):
+    # The reference is exact and loops over requests: no splits, no launch sizing.
     reference.tree_verify_attention(q, k_cache, v_cache, kv_indptr, kv_indices, qo_indptr,
                                     tree_mask, sm_scale, out, lse)
 
@@ -66,13 +69,16 @@ def _tree_verify_op(
     lse: Optional[torch.Tensor],
     impl: str,
     num_kv_splits: int,
+    max_draft_tokens: int,
 ) -> None:
-    _, fn = TREE_VERIFY.select(q.device, impl or None)
-    fn(q, k_cache, v_cache, kv_indptr, kv_indices, qo_indptr, tree_mask, sm_scale, out, lse, num_kv_splits)
+    _, fn = TREE_VERIFY.select(q.device, impl or None, args=(q, k_cache, v_cache))
+    fn(q, k_cache, v_cache, kv_indptr, kv_indices, qo_indptr, tree_mask, sm_scale, out, lse, num_kv_splits,
+       max_draft_tokens)
 
 
 @_tree_verify_op.register_fake
-def _(q, k_cache, v_cache, kv_indptr, kv_indices, qo_indptr, tree_mask, sm_scale, out, lse, impl, num_kv_splits):
+def _(q, k_cache, v_cache, kv_indptr, kv_indices, qo_indptr, tree_mask, sm_scale, out, lse, impl, num_kv_splits,
+      max_draft_tokens):
     return None
 
 
@@ -157,6 +163,7 @@ def tree_verify_attention(
     out: Optional[torch.Tensor] = None,
     impl: Optional[str] = None,
     num_kv_splits: Optional[int] = None,
+    max_draft_tokens: Optional[int] = None,
 ) -> Union[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
     """Attention of a batch of draft-token trees over a paged (token-slot) KV cache.
 
@@ -178,6 +185,10 @@ def tree_verify_attention(
         impl: "cuda", "triton" or "reference" to force one; default the fastest available.
         num_kv_splits: split every prefix into this many parts (flash-decoding); default from
             the batch shape and the GPU's SM count, never from the tensors' values.
+        max_draft_tokens: an upper bound of every n_b (1..64), e.g. the server's draft-token
+            count; it only sizes the launch (default min(T, 64)). A request with more drafts
+            than this bound is a contract violation: checked on CPU / in debug mode, and its
+            extra rows are otherwise left unwritten.
 
     Returns:
         o [T, Hq, Dv] in q's dtype (softmax and accumulation in fp32), or (o, lse).
@@ -206,12 +217,16 @@ def tree_verify_attention(
     if values_checkable(kv_indptr, qo_indptr, kv_indices):
         qo = check_indptr_values(qo_indptr, "qo_indptr", T, "q.shape[0]")
         counts = [qo[b + 1] - qo[b] for b in range(B)]
-        if counts and max(counts) > MAX_DRAFT_TOKENS:
+        bound = max_draft_tokens or MAX_DRAFT_TOKENS
+        if counts and max(counts) > bound:
             b = max(range(B), key=counts.__getitem__)
-            raise ValueError(f"qo_indptr: request {b} has {counts[b]} draft tokens, at most {MAX_DRAFT_TOKENS} are supported")
+            what = "max_draft_tokens" if max_draft_tokens else "are supported"
+            raise ValueError(f"qo_indptr: request {b} has {counts[b]} draft tokens, at most {bound} {what}")
         _check_kv_values(kv_indptr.tolist(), kv_indices, k_cache.shape[0], counts)
+    if max_draft_tokens is not None and not (1 <= int(max_draft_tokens) <= MAX_DRAFT_TOKENS):
+        raise ValueError(f"max_draft_tokens must be in [1, {MAX_DRAFT_TOKENS}], got {max_draft_tokens}")
     return _run(q, k_cache, v_cache, kv_indptr, kv_indices, qo_indptr, tree_mask, sm_scale, return_lse,
-                out, impl, num_kv_splits)
+                out, impl, num_kv_splits, max_draft_tokens)
 
 
 def decode_attention(
@@ -239,18 +254,18 @@ def decode_attention(
     if values_checkable(kv_indptr, kv_indices):
         _check_kv_values(kv_indptr.tolist(), kv_indices, k_cache.shape[0], [0] * B)
     return _run(q, k_cache, v_cache, kv_indptr, kv_indices, None, None, sm_scale, return_lse,
-                out, impl, num_kv_splits)
+                out, impl, num_kv_splits, 1)
 
 
 def _run(q, k_cache, v_cache, kv_indptr, kv_indices, qo_indptr, tree_mask, sm_scale, return_lse,
-         out, impl, num_kv_splits):
-    if num_kv_splits is not None and not (1 <= int(num_kv_splits) <= triton_kernel.MAX_KV_SPLITS):
-        raise ValueError(f"num_kv_splits must be in [1, {triton_kernel.MAX_KV_SPLITS}], got {num_kv_splits}")
+         out, impl, num_kv_splits, max_draft_tokens):
+    if num_kv_splits is not None and not (1 <= int(num_kv_splits) <= MAX_KV_SPLITS):
+        raise ValueError(f"num_kv_splits must be in [1, {MAX_KV_SPLITS}], got {num_kv_splits}")
     out = _check_out(out, q, v_cache.shape[2])
     lse = q.new_empty(q.shape[:2], dtype=torch.float32) if return_lse else None
     torch.ops.spec_kernels.tree_verify_attention(
         q, k_cache, v_cache, kv_indptr, kv_indices, qo_indptr, tree_mask,
-        _scale(sm_scale, q.shape[2]), out, lse, impl or "", int(num_kv_splits or 0),
+        _scale(sm_scale, q.shape[2]), out, lse, impl or "", int(num_kv_splits or 0), int(max_draft_tokens or 0),
     )
     return (out, lse) if return_lse else out
 

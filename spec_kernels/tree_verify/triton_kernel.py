@@ -16,7 +16,6 @@ all arithmetic is done in fp32: the interpreter's bf16 arithmetic is wrong.
 """
 from __future__ import annotations
 
-import math
 import os
 from typing import Optional
 
@@ -24,11 +23,12 @@ import torch
 import triton
 import triton.language as tl
 
-from .._ops import sm_count, triton_interpreting
+from .._ops import triton_interpreting
+from .launch_plan import MIN_SPLIT_KEYS
+from .launch_plan import max_rows as plan_max_rows
+from .launch_plan import num_kv_splits as plan_splits
 
 LOG2E = 1.4426950408889634
-MAX_KV_SPLITS = 64
-MIN_SPLIT_KEYS = 256  # a split streams at least this many prefix keys (fewer splits on short prefixes)
 
 
 @triton.jit
@@ -212,11 +212,11 @@ def _autotune_configs():
 
 
 def _prune_configs(configs, named_args, **kwargs):
-    # Keep the K and V tiles of one stage within ~48 KB of shared memory (fits the 99 KB of sm_120).
-    d = named_args["D"] if "D" in named_args else kwargs["D"]
-    dv = named_args["DV"] if "DV" in named_args else kwargs["DV"]
-    bytes_per = 2
-    kept = [c for c in configs if c.kwargs["BLOCK_N"] * (d + dv) * bytes_per * c.num_stages <= 96 * 1024]
+    # Keep the K and V tiles of all pipeline stages within 96 KB of shared memory (sm_120: 99 KB).
+    args = {**named_args, **kwargs}
+    elt = args["K"].element_size()
+    budget = 96 * 1024
+    kept = [c for c in configs if c.kwargs["BLOCK_N"] * (args["D"] + args["DV"]) * elt * c.num_stages <= budget]
     return kept or configs[:1]
 
 
@@ -238,17 +238,6 @@ def _kernel_for_launch():
     return _tuned_kernel, False
 
 
-def default_num_kv_splits(device: torch.device, num_requests: int, num_kv_heads: int, max_rows: int) -> int:
-    """KV splits so that the grid fills the GPU about twice; 1 on CPU. Shapes only: no host sync."""
-    if device.type != "cuda" or num_requests == 0:
-        return 1
-    ctas = num_requests * num_kv_heads * triton.cdiv(max_rows, _default_block_m(max_rows, 128))
-    sms = sm_count(device.index if device.index is not None else torch.cuda.current_device())
-    if ctas >= sms:
-        return 1
-    return max(1, min(MAX_KV_SPLITS, triton.cdiv(2 * sms, ctas)))
-
-
 def tree_verify_attention(
     q: torch.Tensor,
     k_cache: torch.Tensor,
@@ -261,11 +250,13 @@ def tree_verify_attention(
     out: torch.Tensor,
     lse: Optional[torch.Tensor],
     num_kv_splits: int = 0,
+    max_draft_tokens: int = 0,
     block_m: Optional[int] = None,
     block_n: Optional[int] = None,
 ) -> None:
     """Launch the Triton kernel(s). Arguments as in spec_kernels.tree_verify_attention (already
-    checked); num_kv_splits=0 picks from the device; block_m/block_n override the tile (tests)."""
+    checked); num_kv_splits=0 picks from the device, max_draft_tokens=0 assumes up to 64 drafts;
+    block_m/block_n override the tile (tests)."""
     T, Hq, D = q.shape
     Hkv, Dv = k_cache.shape[1], v_cache.shape[2]
     B = kv_indptr.numel() - 1
@@ -273,11 +264,10 @@ def tree_verify_attention(
         return
     group = Hq // Hkv
     is_decode = qo_indptr is None
-    max_draft = 1 if is_decode else min(T, 64)
-    max_rows = max_draft * group
-    splits = num_kv_splits or default_num_kv_splits(q.device, B, Hkv, max_rows)
-    kernel, fixed = _kernel_for_launch()
+    max_rows = plan_max_rows(T, group, is_decode, max_draft_tokens)
     block_m = block_m or _default_block_m(max_rows, max(D, Dv))
+    splits = num_kv_splits or plan_splits(q.device, B, Hkv, max_rows, block_m)
+    kernel, fixed = _kernel_for_launch()
     compute_f32 = triton_interpreting() or q.dtype == torch.float32
     ieee = q.dtype == torch.float32
     # A placeholder for absent optional pointers (never dereferenced: constexpr branches).

@@ -1,0 +1,258 @@
+"""The benchmark harness shared by benchmarks/test_*.py: presets, GPU-correct timing, the summary.
+
+Presets (environment variable SPEC_KERNELS_BENCH_PRESET):
+
+* ``tiny``      - the default without a GPU: fp32, a handful of small shapes, so that the whole
+  suite runs on a 2-core CPU through the Triton interpreter in well under a minute. It checks
+  the harness, not performance.
+* ``gpu-quick`` - the subset scripts/gpu_check.sh runs, sized for a few minutes on an H200
+  (an estimate: not measured yet).
+* ``gpu``       - the default with a GPU: the full grid.
+
+Timing (:func:`measure`): pytest-benchmark times one *round* as ``timer()`` after minus
+``timer()`` before. On a GPU that clock synchronizes the device, so a round covers the device
+work, not just the launches. A round runs ``calls_per_round`` calls back to back, rotating
+over input sets that together stream several times the GPU's L2 (so repeats do not measure the
+cache), captured in one CUDA graph where possible (so launch overhead, not present in a server's
+graph-captured decode step, is not measured either; an eager round is the fallback). The clock
+counts in units of 1/calls_per_round seconds, so every statistic pytest-benchmark reports (and
+saves) is the time of ONE call. Everything is warmed up first: Triton compiles and autotunes on
+the first call of a shape.
+
+Run as a script to print the summary table of saved results (e.g. gpu_check.sh's JSON):
+
+    python benchmarks/_timing.py OUTDIR/tree_verify.json [more.json ...]
+"""
+from __future__ import annotations
+
+import json
+import math
+import os
+import sys
+import time
+from dataclasses import dataclass
+from typing import Callable, Optional, Sequence
+
+import torch
+
+PRESET_ENV = "SPEC_KERNELS_BENCH_PRESET"
+MIN_GPU_CALLS_PER_ROUND = 4  # so a round of one large call is not dominated by the sync
+ROTATE_L2_MULTIPLE = 4  # a round streams at least this many times the L2 cache...
+MAX_INPUT_SETS = 128  # ...with at most this many distinct input sets
+
+
+# --------------------------------------------------------------------------- presets
+@dataclass(frozen=True)
+class Preset:
+    name: str
+    dtype: str  # torch dtype name
+    batch_sizes: tuple[int, ...]
+    prefix_lens: tuple[int, ...]  # L: KV slots of each request before its drafts
+    draft_counts: tuple[int, ...]  # n: draft tokens per request; 1 = plain decode
+    heads: tuple[tuple[int, int], ...]  # (Hq, Hkv) per tensor-parallel rank
+    head_dim: int
+    rounds: int  # timed rounds per benchmark (after one warm-up round)
+    stream_bytes: int  # buffer size of the streaming-bandwidth ceiling benchmark
+    needs_gpu: bool
+
+
+PRESETS = {
+    p.name: p
+    for p in (
+        Preset("tiny", "float32", batch_sizes=(1, 3), prefix_lens=(64, 200), draft_counts=(1, 4, 16),
+               heads=((8, 2),), head_dim=64, rounds=3, stream_bytes=64 << 20, needs_gpu=False),
+        # Llama-3.3-70B at TP2 (32 q heads, 4 KV heads: GQA 8) is the shape the targets name.
+        Preset("gpu-quick", "bfloat16", batch_sizes=(1, 32), prefix_lens=(4096, 32768), draft_counts=(1, 16, 64),
+               heads=((32, 4),), head_dim=128, rounds=5, stream_bytes=2 << 30, needs_gpu=True),
+        # ...plus Llama-3.1-8B unsharded (32 / 8: GQA 4), the other end of "GQA 4-8".
+        Preset("gpu", "bfloat16", batch_sizes=(1, 8, 32, 64), prefix_lens=(1024, 4096, 16384, 32768),
+               draft_counts=(1, 16, 32, 64), heads=((32, 4), (32, 8)), head_dim=128, rounds=10,
+               stream_bytes=2 << 30, needs_gpu=True),
+    )
+}
+
+
+def bench_device() -> torch.device:
+    return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+
+
+def active_preset() -> Preset:
+    """The preset named by SPEC_KERNELS_BENCH_PRESET; default `gpu` with a GPU, else `tiny`."""
+    has_gpu = torch.cuda.is_available()
+    name = os.environ.get(PRESET_ENV) or ("gpu" if has_gpu else "tiny")
+    if name not in PRESETS:
+        raise ValueError(f"{PRESET_ENV}={name!r}: must be one of {', '.join(PRESETS)}")
+    if PRESETS[name].needs_gpu and not has_gpu:
+        raise ValueError(f"{PRESET_ENV}={name!r} needs a CUDA GPU and none is visible to torch; use 'tiny'")
+    return PRESETS[name]
+
+
+# --------------------------------------------------------------------------- timing
+def input_sets_for(set_bytes: int, device: torch.device) -> int:
+    """How many input sets (each reading `set_bytes` from distinct memory) a round rotates over
+    so that it streams ROTATE_L2_MULTIPLE x the L2 cache; 1 on CPU."""
+    if device.type != "cuda":
+        return 1
+    props = torch.cuda.get_device_properties(device)
+    l2 = getattr(props, "L2_cache_size", 0) or 50 << 20
+    return max(1, min(MAX_INPUT_SETS, math.ceil(ROTATE_L2_MULTIPLE * l2 / max(set_bytes, 1))))
+
+
+def _per_call_clock(calls_per_round: int, synchronize: bool) -> Callable[[], float]:
+    def per_call_clock() -> float:  # its name is what pytest-benchmark saves as the timer
+        if synchronize:
+            torch.cuda.synchronize()
+        return time.perf_counter() / calls_per_round
+
+    return per_call_clock
+
+
+def _capture(run_round: Callable[[], None]):
+    """(graph, None), or (None, why) when the calls cannot be captured (e.g. one syncs the host)."""
+    try:
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            run_round()
+        return graph, None
+    except Exception as exc:  # noqa: BLE001  any failure only means: time it eagerly
+        torch.cuda.synchronize()
+        return None, f"{type(exc).__name__}: {exc}"[:300]
+
+
+def measure(benchmark, calls: Sequence[Callable[[], object]], device: torch.device, rounds: int) -> dict:
+    """Time `calls` (zero-argument callables, one per input set) with pytest-benchmark so that
+    every reported statistic is the time of one call (see the module docstring). Returns how it
+    was timed, for benchmark.extra_info."""
+    per_round = max(len(calls), MIN_GPU_CALLS_PER_ROUND if device.type == "cuda" else 1)
+    sequence = [calls[i % len(calls)] for i in range(per_round)]
+
+    def run_round() -> None:
+        for call in sequence:
+            call()
+
+    info = {"timing": "cpu", "calls_per_round": per_round, "input_sets": len(calls)}
+    target = run_round
+    if device.type == "cuda":
+        # Warm up (compile, autotune, touch every input set) on a side stream, as CUDA graph
+        # capture wants; then capture the whole round.
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            run_round()
+        torch.cuda.current_stream().wait_stream(side)
+        torch.cuda.synchronize()
+        graph, why = _capture(run_round)
+        if graph is not None:
+            target, info["timing"] = graph.replay, "cuda-graph"
+        else:
+            info.update(timing="eager", graph_capture_error=why)
+    # pytest-benchmark takes its clock from the fixture's _timer (there is no public per-test
+    # option) and times a round as clock() after minus clock() before.
+    benchmark._timer = _per_call_clock(per_round, synchronize=device.type == "cuda")
+    try:
+        benchmark.pedantic(target, rounds=rounds, warmup_rounds=1)
+    except BaseException:
+        # pytest-benchmark's fixture flags only Exceptions; a KeyboardInterrupt (how
+        # gpu_check.sh's timeouts stop pytest) would leave a half-timed entry that makes
+        # --benchmark-json fail for the whole session. Flag it so it is left out instead.
+        benchmark.has_error = True
+        raise
+    return info
+
+
+def record(benchmark, results: list, nbytes: int, **extra) -> None:
+    """Add `extra`, the bytes moved per call and the achieved GB/s (from the median) to
+    benchmark.extra_info, and the row to `results` for the end-of-session summary."""
+    benchmark.extra_info.update(extra, bytes=nbytes)
+    if benchmark.stats is None:  # --benchmark-disable: nothing was timed
+        return
+    median = benchmark.stats.stats.median
+    benchmark.extra_info["gbps"] = nbytes / median / 1e9 if median > 0 else None
+    results.append(dict(benchmark.extra_info, median_s=median))
+
+
+# --------------------------------------------------------------------------- summary
+def rows_from_json(path: str) -> list[dict]:
+    """Summary rows of a pytest-benchmark JSON file (benchmarks that called :func:`record`)."""
+    with open(path) as fh:
+        data = json.load(fh)
+    return [dict(b["extra_info"], median_s=b["stats"]["median"])
+            for b in data.get("benchmarks", []) if "kind" in b.get("extra_info", {})]
+
+
+def _num(x: Optional[float], fmt: Optional[str] = None) -> str:
+    """`fmt`, or 3 significant digits without an exponent (1234, 12.3, 0.123)."""
+    if x is None or not math.isfinite(x):
+        return "-"
+    if fmt is None:
+        fmt = ".0f" if abs(x) >= 100 else ".1f" if abs(x) >= 10 else ".2f" if abs(x) >= 1 else ".3f"
+    return format(x, fmt)
+
+
+def format_summary(rows: list[dict]) -> list[str]:
+    """The side-by-side table: one line per attention case, one column group per impl."""
+    lines = []
+    stream = {r["op"]: r for r in rows if r["kind"] == "stream"}
+    read_gbps = stream["read"]["gbps"] if "read" in stream else None
+    if stream:
+        lines.append("streaming ceiling: " + ", ".join(
+            f"{op} {_num(r['gbps'])} GB/s ({r['bytes'] / 2**30:.2f} GiB moved per call)" for op, r in stream.items()))
+
+    attn = [r for r in rows if r["kind"] == "attention"]
+    if not attn:
+        return lines
+    impls = list(dict.fromkeys(r["impl"] for r in attn))
+    group_key = ("B", "L", "Hq", "Hkv", "D", "Dv", "dtype")
+    by_case: dict[tuple, dict] = {}  # (group values..., n) -> impl -> row
+    group_rank: dict[tuple, int] = {}  # cases keep the order they ran in, then n ascending
+    for r in attn:
+        group = tuple(r[k] for k in group_key)
+        group_rank.setdefault(group, len(group_rank))
+        by_case.setdefault(group + (r["n"],), {})[r["impl"]] = r
+    ordered = sorted(by_case, key=lambda k: (group_rank[k[:-1]], k[-1]))
+
+    header = _case_cols("B", "L", "n", "Hq/Hkv", "D", "dtype")
+    impl_width = len(_cells("", "", "", "")) - 3
+    lines += [
+        "tree-verify attention (median time per call; GB/s = bytes the op must move (K/V rows + q + out) / time;",
+        "  %rd = share of the streaming-read ceiling; /dec = time / the same impl's n=1 decode at the same B, L)",
+        (" " * len(header) + "".join(f" | {impl:<{impl_width}}" for impl in impls)).rstrip(),
+        header + _cells("us", "GB/s", "%rd", "/dec") * len(impls),
+    ]
+    for key in ordered:
+        B, L, Hq, Hkv, D, _, dtype, n = key
+        line = _case_cols(B, L, n, f"{Hq}/{Hkv}", D, dtype)
+        for impl in impls:
+            r = by_case[key].get(impl)
+            if r is None:
+                line += _cells("-", "-", "-", "-")
+                continue
+            decode = by_case.get(key[:-1] + (1,), {}).get(impl)
+            ratio = r["median_s"] / decode["median_s"] if decode and n != 1 else None
+            pct = 100 * r["gbps"] / read_gbps if read_gbps and r.get("gbps") else None
+            line += _cells(_num(r["median_s"] * 1e6), _num(r.get("gbps")), _num(pct, ".1f"), _num(ratio, ".2f"))
+        lines.append(line)
+    return lines
+
+
+def _case_cols(B, L, n, heads, D, dtype) -> str:
+    return f"{B:>4} {L:>6} {n:>3} {heads:>7} {D:>4} {dtype:<10}"
+
+
+def _cells(us: str, gbps: str, pct: str, ratio: str) -> str:
+    return f" | {us:>8} {gbps:>7} {pct:>5} {ratio:>5}"
+
+
+def main(argv: list[str]) -> int:
+    if not argv:
+        print("usage: python benchmarks/_timing.py RESULTS.json [MORE.json ...]", file=sys.stderr)
+        return 2
+    for path in argv:
+        print(f"== {path}")
+        rows = rows_from_json(path)
+        print("\n".join(format_summary(rows)) if rows else "(no spec-kernels benchmark rows)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

@@ -1,0 +1,246 @@
+"""Tree-verify attention vs plain decode vs dense-mask SDPA, plus the streaming-bandwidth ceiling.
+
+    pytest benchmarks/ --benchmark-only                                  # preset by device
+    SPEC_KERNELS_BENCH_PRESET=gpu-quick pytest benchmarks/ --benchmark-only --benchmark-json=out.json
+
+What is timed, per case (B requests, each with L prefix slots and n draft tokens; GQA Hq:Hkv,
+head dim D = Dv; presets in benchmarks/_timing.py):
+
+* n > 1: ``spec_kernels.tree_verify_attention`` over a random tree per request (random
+  topologically ordered parents -> ``tree_mask_from_parents``);
+* n = 1: ``spec_kernels.decode_attention``, plain decode at the same B and L;
+* every implementation that can run here, side by side: ``triton`` now, ``cuda`` as soon as
+  ``op_impls("tree_verify_attention").unavailable_reason("cuda", device)`` is None, the
+  ``reference`` on CPU only (it loops over requests on the host: an oracle, not a contender);
+* ``sdpa``, the anchor: gather each request's K/V rows from the paged cache (index_select) and
+  run ``torch.nn.functional.scaled_dot_product_attention`` with a dense boolean mask of n x (L+n)
+  per request (no mask for n = 1). GQA is handled by packing the group's query heads into the
+  query rows ([B, Hkv, n*group, D], what our kernel does too) rather than repeating K/V, so the
+  anchor is not penalised for the head layout; the gather is timed, since the cache is paged.
+  SGLang's Triton extend-with-mask kernel, the anchor the target names, is not installed on the
+  GPU machine; SDPA stands in until it is.
+
+Inputs are random (never zeros), slot ids are a random permutation of the cache's slots, and a
+GPU round rotates over several disjoint input sets so that it streams >= 4x the L2 cache.
+Outputs are checked against the reference once per case (small cases) before timing.
+
+Bytes: extra_info["bytes"] is what the op must move at least once:
+    B*(L+n)*Hkv*(D+Dv)*elt   (every K and V row of every request, read once)
+  + B*n*Hq*(D+Dv)*elt        (q read, out written)
+ignoring the O(B*n) indices and mask words. extra_info["gbps"] = bytes / median time (decimal
+GB/s); the same bytes are used for every impl, so for SDPA (which also writes and re-reads the
+gathered copy) it is an effective rate. ``test_stream_bandwidth`` measures the ceiling in the
+same run: ``read`` = torch.sum over a buffer far larger than L2 (bytes read), ``copy`` =
+copy_ between two such buffers (bytes read + written).
+
+Timing method (see benchmarks/_timing.py): warm-up first (Triton compiles and autotunes on the
+first call of a shape); on a GPU one round = several calls captured in one CUDA graph (eager if
+capture fails: extra_info["timing"]) timed with a clock that calls torch.cuda.synchronize(); all
+statistics are per call.
+
+GPU targets (shared/DESIGN.md), tree verify at n = 16, L >= 4k, GQA 4-8:
+  * time <= 1.15 x plain decode (n = 1) at the same B and L        (the "/dec" column)
+  * >= 80% of the GPU's measured streaming-read bandwidth          (the "%rd" column)
+  * >= 3x faster than SGLang's Triton extend-with-mask kernel      (not measurable yet, see above)
+No GPU figure has been measured yet: the only runs so far are CPU runs of the tiny preset
+through the Triton interpreter, whose times say nothing about GPU performance.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable, Optional
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import _timing
+import spec_kernels
+from spec_kernels._ops import op_impls
+
+PRESET = _timing.active_preset()
+DEVICE = _timing.bench_device()
+DTYPE = getattr(torch, PRESET.dtype)
+CHECK_MAX_KV_ROWS = 1 << 18  # compare with the reference only where its host loop is cheap
+
+
+@dataclass(frozen=True)
+class Case:
+    """B requests, each with L prefix KV slots and n draft tokens (n = 1: plain decode)."""
+
+    B: int
+    L: int
+    n: int
+    Hq: int
+    Hkv: int
+    D: int
+
+    @property
+    def Dv(self) -> int:
+        return self.D
+
+    @property
+    def id(self) -> str:
+        return f"B{self.B}-L{self.L}-n{self.n}-h{self.Hq}x{self.Hkv}-d{self.D}-{PRESET.dtype}"
+
+    @property
+    def group(self) -> str:  # pytest-benchmark's table: one group per (B, L, heads)
+        return f"B={self.B} L={self.L} Hq/Hkv={self.Hq}/{self.Hkv} D={self.D} {PRESET.dtype}"
+
+    @property
+    def kv_rows(self) -> int:
+        return self.B * (self.L + self.n)
+
+    @property
+    def bytes(self) -> int:
+        elt = DTYPE.itemsize
+        return (self.kv_rows * self.Hkv + self.B * self.n * self.Hq) * (self.D + self.Dv) * elt
+
+
+def attention_impls(device: torch.device) -> list[str]:
+    """What runs side by side: our kernels usable on `device`, the reference where it is the only
+    non-interpreted one (CPU; on a GPU its host loop is no contender), and the SDPA anchor."""
+    op = op_impls("tree_verify_attention")
+    impls = [impl for impl in ("cuda", "triton") if op.unavailable_reason(impl, device) is None]
+    if device.type == "cpu":
+        impls.append("reference")
+    return impls + ["sdpa"]
+
+
+def unsupported_reason(impl: str, case: Case) -> Optional[str]:
+    """Why `impl` cannot run `case`, or None: beyond the device, an impl may reject the
+    arguments (the CUDA kernel takes fp16/bf16 only), decided from shapes and dtypes alone."""
+    if impl == "sdpa":
+        return None
+    q = torch.empty(1, case.Hq, case.D, dtype=DTYPE, device="meta")
+    k = torch.empty(1, case.Hkv, case.D, dtype=DTYPE, device="meta")
+    v = torch.empty(1, case.Hkv, case.Dv, dtype=DTYPE, device="meta")
+    return op_impls("tree_verify_attention").unavailable_reason(impl, DEVICE, args=(q, k, v))
+
+
+CASES = [Case(B, L, n, hq, hkv, PRESET.head_dim)
+         for hq, hkv in PRESET.heads for B in PRESET.batch_sizes for L in PRESET.prefix_lens
+         for n in PRESET.draft_counts]
+IMPLS = attention_impls(DEVICE)
+
+
+# --------------------------------------------------------------------------- inputs
+@dataclass
+class InputSet:
+    q: torch.Tensor  # [B*n, Hq, D]
+    kv_indices: torch.Tensor  # int32 [B*(L+n)]
+    tree_mask: Optional[torch.Tensor]  # int64 [B*n]; None for decode
+    dense_mask: Optional[torch.Tensor]  # bool [B, 1, n*group, L+n], SDPA's; None for decode
+
+
+@dataclass
+class Inputs:
+    k_cache: torch.Tensor
+    v_cache: torch.Tensor
+    kv_indptr: torch.Tensor
+    qo_indptr: torch.Tensor
+    sets: list[InputSet]
+
+
+def random_parents(B: int, n: int) -> torch.Tensor:
+    """One random tree per request: draft 0 is the root, draft i's parent is uniform in [0, i)."""
+    parents = (torch.rand(B, n) * torch.arange(n)).long()
+    parents[:, 0] = -1
+    return parents.flatten().to(DEVICE)
+
+
+def dense_mask(case: Case, tree_mask: torch.Tensor) -> torch.Tensor:
+    """SDPA's boolean mask: every prefix slot visible, draft j visible to draft i per the tree;
+    rows packed like the queries (row = draft * group + head in group)."""
+    B, n, L = case.B, case.n, case.L
+    draft_bits = (tree_mask.view(B, n, 1) >> torch.arange(n, device=DEVICE)) & 1  # [B, n, n]
+    prefix = torch.ones(B, n, L, dtype=torch.bool, device=DEVICE)
+    mask = torch.cat([prefix, draft_bits.bool()], dim=2)  # [B, n, L+n]
+    return mask.repeat_interleave(case.Hq // case.Hkv, dim=1).unsqueeze(1)
+
+
+def make_inputs(case: Case, num_sets: int, need_dense_mask: bool) -> Inputs:
+    """One cache holding `num_sets` disjoint input sets; each set's slots are a random permutation
+    of its own part of the cache (so requests read scattered rows, as with page size 1)."""
+    rows = case.kv_rows
+    k_cache = torch.randn(num_sets * rows, case.Hkv, case.D, dtype=DTYPE, device=DEVICE)
+    v_cache = torch.randn(num_sets * rows, case.Hkv, case.Dv, dtype=DTYPE, device=DEVICE)
+    steps = torch.arange(case.B + 1, dtype=torch.int32, device=DEVICE)
+    kv_indptr, qo_indptr = steps * (case.L + case.n), steps * case.n
+    sets = []
+    for s in range(num_sets):
+        kv_indices = (s * rows + torch.randperm(rows, device=DEVICE)).to(torch.int32)
+        q = torch.randn(case.B * case.n, case.Hq, case.D, dtype=DTYPE, device=DEVICE)
+        tree_mask = dense = None
+        if case.n > 1:
+            tree_mask = spec_kernels.tree_mask_from_parents(random_parents(case.B, case.n), qo_indptr)
+            dense = dense_mask(case, tree_mask) if need_dense_mask else None
+        sets.append(InputSet(q, kv_indices, tree_mask, dense))
+    return Inputs(k_cache, v_cache, kv_indptr, qo_indptr, sets)
+
+
+# --------------------------------------------------------------------------- the calls
+def sdpa_attention(case: Case, inp: Inputs, s: InputSet, out: torch.Tensor) -> None:
+    B, n, Hkv, D, Dv = case.B, case.n, case.Hkv, case.D, case.Dv
+    group = case.Hq // Hkv
+    k = inp.k_cache.index_select(0, s.kv_indices).view(B, case.L + n, Hkv, D).transpose(1, 2)
+    v = inp.v_cache.index_select(0, s.kv_indices).view(B, case.L + n, Hkv, Dv).transpose(1, 2)
+    q = s.q.view(B, n, Hkv, group, D).transpose(1, 2).reshape(B, Hkv, n * group, D)
+    o = F.scaled_dot_product_attention(q, k, v, attn_mask=s.dense_mask)  # [B, Hkv, n*group, Dv]
+    out.view(B, n, Hkv, group, Dv).copy_(o.view(B, Hkv, n, group, Dv).transpose(1, 2))
+
+
+def launcher(impl: str, case: Case, inp: Inputs, s: InputSet, out: torch.Tensor) -> Callable[[], None]:
+    """A zero-argument call of `impl` on input set `s`, writing `out`."""
+    if impl == "sdpa":
+        return lambda: sdpa_attention(case, inp, s, out)
+    if case.n == 1:
+        return lambda: spec_kernels.decode_attention(
+            s.q, inp.k_cache, inp.v_cache, inp.kv_indptr, s.kv_indices, out=out, impl=impl)
+    # max_draft_tokens: the server knows its tree size; it sizes the launch for n, not 64.
+    return lambda: spec_kernels.tree_verify_attention(
+        s.q, inp.k_cache, inp.v_cache, inp.kv_indptr, s.kv_indices, inp.qo_indptr, s.tree_mask,
+        out=out, impl=impl, max_draft_tokens=case.n)
+
+
+def check_against_reference(impl: str, case: Case, inp: Inputs, out: torch.Tensor) -> None:
+    """A benchmark of a wrong result is worthless: compare set 0 with the reference first."""
+    if impl == "reference" or case.kv_rows > CHECK_MAX_KV_ROWS:
+        return
+    expected = torch.empty_like(out)
+    launcher("reference", case, inp, inp.sets[0], expected)()
+    launcher(impl, case, inp, inp.sets[0], out)()
+    tol = 1e-3 if DTYPE == torch.float32 else 2e-2
+    torch.testing.assert_close(out, expected, atol=tol, rtol=tol, msg=lambda m: f"{impl} vs reference: {m}")
+
+
+# --------------------------------------------------------------------------- benchmarks
+@pytest.mark.parametrize("op", ["read", "copy"])
+def test_stream_bandwidth(benchmark, bench_results, op):
+    """The ceiling the attention GB/s are compared with (the %rd column of the summary)."""
+    benchmark.group = "streaming bandwidth"
+    src = torch.rand(PRESET.stream_bytes // 4, device=DEVICE)
+    if op == "read":
+        call, nbytes = (lambda: torch.sum(src)), src.nbytes
+    else:
+        dst = torch.empty_like(src)
+        call, nbytes = (lambda: dst.copy_(src)), 2 * src.nbytes
+    info = _timing.measure(benchmark, [call], DEVICE, PRESET.rounds)
+    _timing.record(benchmark, bench_results, nbytes, kind="stream", op=op, **info)
+
+
+@pytest.mark.parametrize("case,impl", [pytest.param(c, i, id=f"{c.id}-{i}") for c in CASES for i in IMPLS])
+def test_attention(benchmark, bench_results, case, impl):
+    benchmark.group = case.group
+    reason = unsupported_reason(impl, case)
+    if reason is not None:
+        pytest.skip(f"{impl}: {reason}")
+    inp = make_inputs(case, _timing.input_sets_for(case.bytes, DEVICE), need_dense_mask=impl == "sdpa")
+    out = torch.empty(case.B * case.n, case.Hq, case.Dv, dtype=DTYPE, device=DEVICE)
+    check_against_reference(impl, case, inp, out)
+    calls = [launcher(impl, case, inp, s, out) for s in inp.sets]
+    info = _timing.measure(benchmark, calls, DEVICE, PRESET.rounds)
+    _timing.record(benchmark, bench_results, case.bytes, kind="attention",
+                   op="decode" if case.n == 1 else "tree_verify", impl=impl,
+                   B=case.B, L=case.L, n=case.n, Hq=case.Hq, Hkv=case.Hkv, D=case.D, Dv=case.Dv,
+                   dtype=PRESET.dtype, **info)

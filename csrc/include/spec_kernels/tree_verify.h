@@ -1,0 +1,44 @@
+// Host interface of the CUDA tree-verify attention kernel (no torch types; see csrc/ops.cpp).
+#pragma once
+
+#include <cstdint>
+#include <cuda_runtime_api.h>
+
+namespace spec_kernels {
+
+enum class Dtype : int { kFloat16 = 0, kBFloat16 = 1 };
+
+// All pointers are device pointers. Request b owns queries qo_indptr[b]..qo_indptr[b+1] (decode:
+// qo_indptr == nullptr, query b only) and KV slots kv_indices[kv_indptr[b]..kv_indptr[b+1]]: its
+// prefix, then its n_b draft slots. Query i of a request sees draft j iff bit j of tree_mask[i]
+// (decode: tree_mask == nullptr, every slot is visible).
+struct TreeVerifyParams {
+  const void* q;        // [T, Hq, D]
+  const void* k_cache;  // [S, Hkv, D]
+  const void* v_cache;  // [S, Hkv, D]
+  const int32_t* kv_indptr;
+  const void* kv_indices;  // int32 or int64 (kv_indices_int64)
+  bool kv_indices_int64;
+  const int32_t* qo_indptr;  // nullptr: decode
+  const int64_t* tree_mask;  // nullptr: decode
+  void* out;                 // [T, Hq, D]
+  float* lse;                // [T, Hq] natural log, or nullptr
+  float* o_partial;          // [num_splits, T, Hq, D] when num_splits > 1
+  float* lse_partial;        // [num_splits, T, Hq] (base 2) when num_splits > 1
+  int64_t q_stride_t, q_stride_h;
+  int64_t k_stride_s, k_stride_h;
+  int64_t v_stride_s, v_stride_h;
+  int64_t o_stride_t, o_stride_h;
+  int num_requests, num_tokens, num_q_heads, num_kv_heads, head_dim;
+  int max_rows;    // upper bound of n_b * (Hq / Hkv) over the batch: sizes the grid
+  int num_splits;  // KV splits per request (grid.y); 1 = no combine pass
+  int min_chunk;   // smallest prefix share of a split (multiple of the KV tile), 0 = even split
+  float sm_scale_log2;  // softmax scale * log2(e)
+};
+
+// Rows of queries per CTA (n_b drafts x GQA group, packed); exported for the grid size.
+constexpr int kTreeVerifyBlockM = 64;
+
+cudaError_t launch_tree_verify_attention(const TreeVerifyParams& params, Dtype dtype, cudaStream_t stream);
+
+}  // namespace spec_kernels

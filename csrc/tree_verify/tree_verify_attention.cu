@@ -1,0 +1,385 @@
+// Tree-verify attention (and plain decode): one launch, KV read once for all draft rows.
+//
+// A CTA (4 warps) owns up to 64 query rows of one (request, KV head, KV split): the request's
+// n_b draft tokens x the GQA group, packed row-major (row = draft * group + head_in_group). It
+// streams the split's share of the prefix through a double-buffered shared-memory tile filled by
+// cp.async gathers (one slot id per KV row), then - in the last split only - the n_b draft slots.
+// Prefix tiles need no mask; only tail tiles test the row's 64-bit ancestor word.
+//
+// Few rows (decode: rows = group <= 16) would leave warps idle, so the 4 warps are arranged as
+// warps_m x warps_n: warps_n warps share the same 16 rows and take different keys of every tile,
+// each with its own online softmax, merged through shared memory at the end.
+//
+// With num_splits > 1 every split writes a normalised partial output and its base-2 log-sum-exp;
+// merge_splits_kernel combines them in a fixed order (bitwise deterministic, no atomics).
+#include <cfloat>
+
+#include "spec_kernels/mma.cuh"
+#include "spec_kernels/tree_verify.h"
+
+namespace spec_kernels {
+namespace {
+
+constexpr int kWarps = 4;
+constexpr int kThreads = kWarps * 32;
+constexpr int kBlockM = kTreeVerifyBlockM;
+
+template <int D>
+struct TileConfig {
+  static constexpr int kChunks = D / 8;                 // 16-byte chunks per row
+  static constexpr int kStageKeys = D >= 256 ? 32 : 64;  // keys per pipeline stage
+  static constexpr int kMaxWarpsN = kStageKeys / 16;     // a warp takes >= 16 keys of a stage
+  static constexpr int kMaxNTiles = kStageKeys / 8;      // n8 key tiles of one warp (warps_n = 1)
+  static constexpr int kDvTiles = D / 8;                 // n8 tiles of the output row
+  // Q tile + two K stages + two V stages: 40 KB (D=64), 80 KB (D=128), 96 KB (D=256) <= 99 KB.
+  static constexpr int kSmemBytes = (kBlockM * D + 4 * kStageKeys * D) * 2;
+  // The end-of-loop merge reuses that memory: per warp, per lane, the accumulators + m, l.
+  static constexpr int kMergeFloats = kDvTiles * 4 + 4;
+  static_assert(kWarps * kMergeFloats * 32 * 4 <= kSmemBytes, "merge buffer must fit");
+  static_assert(kSmemBytes <= 99 * 1024, "sm_120 allows 99 KB of shared memory per block");
+};
+
+__device__ __forceinline__ int ceil_div(int a, int b) { return (a + b - 1) / b; }
+
+__device__ __forceinline__ int64_t load_slot(const TreeVerifyParams& p, int64_t i) {
+  return p.kv_indices_int64 ? static_cast<const int64_t*>(p.kv_indices)[i]
+                            : static_cast<int64_t>(static_cast<const int32_t*>(p.kv_indices)[i]);
+}
+
+template <typename T, int D>
+__global__ void __launch_bounds__(kThreads) tree_verify_kernel(const TreeVerifyParams p) {
+  using Cfg = TileConfig<D>;
+  constexpr int kChunks = Cfg::kChunks;
+  constexpr int kStageKeys = Cfg::kStageKeys;
+  extern __shared__ __align__(128) uint8_t smem[];
+  T* s_q = reinterpret_cast<T*>(smem);
+  T* s_k = s_q + kBlockM * D;
+  T* s_v = s_k + 2 * kStageKeys * D;
+
+  // ---- which rows, which request, which KV range
+  const int group = p.num_q_heads / p.num_kv_heads;
+  const int m_blocks = ceil_div(p.max_rows, kBlockM);
+  const int m_block = blockIdx.x % m_blocks;
+  const int kv_head = (blockIdx.x / m_blocks) % p.num_kv_heads;
+  const int req = blockIdx.x / (m_blocks * p.num_kv_heads);
+  const int split = blockIdx.y;
+
+  const int q_start = p.qo_indptr ? p.qo_indptr[req] : req;
+  const int n_draft = p.qo_indptr ? p.qo_indptr[req + 1] - q_start : 1;
+  const int64_t kv_start = p.kv_indptr[req];
+  const int kv_len = p.kv_indptr[req + 1] - p.kv_indptr[req];
+  const int prefix_len = max(kv_len - n_draft, 0);
+  const int num_tail = kv_len - prefix_len;  // = n_draft for valid input
+  const int row0 = m_block * kBlockM;
+  const int rows_here = min(kBlockM, n_draft * group - row0);
+  if (rows_here <= 0) return;  // uniform over the CTA
+
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  const int warps_m = max(rows_here <= 16 ? 1 : rows_here <= 32 ? 2 : 4, kWarps / Cfg::kMaxWarpsN);
+  const int warps_n = kWarps / warps_m;
+  const int wm = warp % warps_m, wn = warp / warps_m;
+  const int keys_per_warp = kStageKeys / warps_n;
+  const int ntiles = keys_per_warp / 8;  // even: 2..kMaxNTiles
+
+  int chunk = ceil_div(ceil_div(prefix_len, p.num_splits), kStageKeys) * kStageKeys;
+  chunk = max(chunk, p.min_chunk);
+  const int lo = min(split * chunk, prefix_len);
+  const int hi = min(prefix_len, lo + chunk);
+  const int prefix_tiles = ceil_div(hi - lo, kStageKeys);
+  const int tail_tiles = split == p.num_splits - 1 ? ceil_div(num_tail, kStageKeys) : 0;
+  const int total_tiles = prefix_tiles + tail_tiles;
+
+  const T* q = static_cast<const T*>(p.q);
+  const T* k_cache = static_cast<const T*>(p.k_cache) + kv_head * p.k_stride_h;
+  const T* v_cache = static_cast<const T*>(p.v_cache) + kv_head * p.v_stride_h;
+
+  // ---- Q block (rows past rows_here are zero-filled)
+  for (int i = threadIdx.x; i < kBlockM * kChunks; i += kThreads) {
+    const int r = i / kChunks, c = i % kChunks;
+    const bool valid = r < rows_here;
+    const T* src = q;
+    if (valid) {
+      const int row = row0 + r;
+      src = q + (q_start + row / group) * p.q_stride_t + (kv_head * group + row % group) * p.q_stride_h + c * 8;
+    }
+    cp_async_16(smem_addr(s_q + swizzled<kChunks>(r, c)), src, valid);
+  }
+
+  // Tile t covers key positions [base, base + kStageKeys) clipped to end: prefix tiles first.
+  auto tile_base = [&](int t) { return t < prefix_tiles ? lo + t * kStageKeys : prefix_len + (t - prefix_tiles) * kStageKeys; };
+  auto tile_end = [&](int t) { return t < prefix_tiles ? hi : kv_len; };
+
+  auto load_tile = [&](int t, int stage) {
+    const int base = tile_base(t), end = tile_end(t);
+    T* dst_k = s_k + stage * kStageKeys * D;
+    T* dst_v = s_v + stage * kStageKeys * D;
+    for (int i = threadIdx.x; i < kStageKeys * kChunks; i += kThreads) {
+      const int r = i / kChunks, c = i % kChunks;
+      const bool valid = base + r < end;
+      const int64_t slot = valid ? load_slot(p, kv_start + base + r) : 0;
+      cp_async_16(smem_addr(dst_k + swizzled<kChunks>(r, c)), k_cache + slot * p.k_stride_s + c * 8, valid);
+      cp_async_16(smem_addr(dst_v + swizzled<kChunks>(r, c)), v_cache + slot * p.v_stride_s + c * 8, valid);
+    }
+  };
+
+  // ---- per-thread state for rows g and g + 8 of this warp's 16 rows
+  const int g = lane / 4, t4 = lane % 4;
+  uint64_t row_mask[2];
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    const int r = wm * 16 + g + h * 8;
+    row_mask[h] = ~0ull;  // decode: the single tail key is the query's own token
+    if (p.tree_mask != nullptr) {
+      row_mask[h] = r < rows_here ? static_cast<uint64_t>(p.tree_mask[q_start + (row0 + r) / group]) : 0ull;
+    }
+  }
+  float m_i[2] = {-INFINITY, -INFINITY};
+  float l_i[2] = {0.f, 0.f};
+  float acc[Cfg::kDvTiles][4];
+#pragma unroll
+  for (int j = 0; j < Cfg::kDvTiles; ++j) acc[j][0] = acc[j][1] = acc[j][2] = acc[j][3] = 0.f;
+
+  if (total_tiles > 0) load_tile(0, 0);
+  cp_async_commit();  // group 0: Q and tile 0
+
+  for (int t = 0; t < total_tiles; ++t) {
+    if (t + 1 < total_tiles) {
+      load_tile(t + 1, (t + 1) & 1);
+      cp_async_commit();
+      cp_async_wait<1>();
+    } else {
+      cp_async_wait<0>();
+    }
+    __syncthreads();
+
+    const T* k_s = s_k + (t & 1) * kStageKeys * D;
+    const T* v_s = s_v + (t & 1) * kStageKeys * D;
+    const int base = tile_base(t), end = tile_end(t);
+    const bool is_tail = t >= prefix_tiles;
+    const int key0 = wn * keys_per_warp;  // this warp's first key within the tile
+
+    // S = Q K^T for 16 rows x keys_per_warp keys, k16 steps over D
+    float s[Cfg::kMaxNTiles][4];
+#pragma unroll
+    for (int j = 0; j < Cfg::kMaxNTiles; ++j) s[j][0] = s[j][1] = s[j][2] = s[j][3] = 0.f;
+#pragma unroll
+    for (int kk = 0; kk < D / 16; ++kk) {
+      uint32_t a[4];
+      ldmatrix_x4(a, smem_addr(s_q + swizzled<kChunks>(wm * 16 + (lane / 8 % 2) * 8 + lane % 8, kk * 2 + lane / 16)));
+#pragma unroll
+      for (int j = 0; j < Cfg::kMaxNTiles; j += 2) {
+        if (j < ntiles) {
+          uint32_t b[4];
+          ldmatrix_x4(b, smem_addr(k_s + swizzled<kChunks>(key0 + j * 8 + (lane / 16) * 8 + lane % 8,
+                                                          kk * 2 + lane / 8 % 2)));
+          mma_16816<T>(s[j], a, b[0], b[1]);
+          mma_16816<T>(s[j + 1], a, b[2], b[3]);
+        }
+      }
+    }
+
+    // scale; mask keys past the end (last tile of a range) and, in the tail, non-ancestors
+    const bool full = !is_tail && base + kStageKeys <= end;
+#pragma unroll
+    for (int j = 0; j < Cfg::kMaxNTiles; ++j) {
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        float x = s[j][e] * p.sm_scale_log2;
+        if (!full) {
+          const int pos = base + key0 + j * 8 + t4 * 2 + (e & 1);
+          bool visible = pos < end;
+          if (is_tail && visible) visible = (row_mask[e >> 1] >> (pos - prefix_len)) & 1ull;
+          x = visible ? x : -INFINITY;
+        }
+        s[j][e] = x;
+      }
+    }
+
+    // online softmax (base 2) for the thread's two rows; a quad of lanes shares a row
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      float mx = m_i[h];
+#pragma unroll
+      for (int j = 0; j < Cfg::kMaxNTiles; ++j) {
+        if (j < ntiles) mx = fmaxf(mx, fmaxf(s[j][2 * h], s[j][2 * h + 1]));
+      }
+      mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
+      mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
+      const float m_safe = mx == -INFINITY ? 0.f : mx;
+      const float alpha = exp2f(m_i[h] - m_safe);
+      float row_sum = 0.f;
+#pragma unroll
+      for (int j = 0; j < Cfg::kMaxNTiles; ++j) {
+        s[j][2 * h] = exp2f(s[j][2 * h] - m_safe);
+        s[j][2 * h + 1] = exp2f(s[j][2 * h + 1] - m_safe);
+        if (j < ntiles) row_sum += s[j][2 * h] + s[j][2 * h + 1];
+      }
+      l_i[h] = l_i[h] * alpha + row_sum;
+      m_i[h] = mx;
+#pragma unroll
+      for (int d = 0; d < Cfg::kDvTiles; ++d) {
+        acc[d][2 * h] *= alpha;
+        acc[d][2 * h + 1] *= alpha;
+      }
+    }
+
+    // O += P V: the S accumulators of two key tiles are the A fragment of one k16 step
+#pragma unroll
+    for (int j = 0; j < Cfg::kMaxNTiles; j += 2) {
+      if (j < ntiles) {
+        uint32_t a[4] = {pack2<T>(s[j][0], s[j][1]), pack2<T>(s[j][2], s[j][3]),
+                         pack2<T>(s[j + 1][0], s[j + 1][1]), pack2<T>(s[j + 1][2], s[j + 1][3])};
+#pragma unroll
+        for (int d = 0; d < Cfg::kDvTiles; d += 2) {
+          uint32_t b[4];
+          ldmatrix_x4_trans(b, smem_addr(v_s + swizzled<kChunks>(key0 + j * 8 + (lane / 8 % 2) * 8 + lane % 8,
+                                                                d + lane / 16)));
+          mma_16816<T>(acc[d], a, b[0], b[1]);
+          mma_16816<T>(acc[d + 1], a, b[2], b[3]);
+        }
+      }
+    }
+    __syncthreads();  // the stage is refilled by the next iteration's prefetch
+  }
+  cp_async_wait<0>();
+
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    l_i[h] += __shfl_xor_sync(0xffffffffu, l_i[h], 1);
+    l_i[h] += __shfl_xor_sync(0xffffffffu, l_i[h], 2);
+  }
+
+  // ---- merge the warps that shared rows (warps_n > 1) into the wn == 0 warp
+  if (warps_n > 1) {
+    __syncthreads();  // Q/K/V tiles are dead; reuse the memory
+    float* s_merge = reinterpret_cast<float*>(smem);
+    constexpr int kAcc = Cfg::kDvTiles * 4;
+    float* mine = s_merge + warp * Cfg::kMergeFloats * 32;  // [value][lane]: conflict-free
+#pragma unroll
+    for (int d = 0; d < Cfg::kDvTiles; ++d) {
+#pragma unroll
+      for (int e = 0; e < 4; ++e) mine[(d * 4 + e) * 32 + lane] = acc[d][e];
+    }
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      mine[(kAcc + h) * 32 + lane] = m_i[h];
+      mine[(kAcc + 2 + h) * 32 + lane] = l_i[h];
+    }
+    __syncthreads();
+    if (wn != 0) return;
+    for (int other = 1; other < warps_n; ++other) {
+      const float* theirs = s_merge + (other * warps_m + wm) * Cfg::kMergeFloats * 32;
+      float scale_mine[2], scale_theirs[2];
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        const float m_o = theirs[(kAcc + h) * 32 + lane];
+        const float mx = fmaxf(m_i[h], m_o);
+        const float m_safe = mx == -INFINITY ? 0.f : mx;
+        scale_mine[h] = exp2f(m_i[h] - m_safe);
+        scale_theirs[h] = exp2f(m_o - m_safe);
+        l_i[h] = l_i[h] * scale_mine[h] + theirs[(kAcc + 2 + h) * 32 + lane] * scale_theirs[h];
+        m_i[h] = mx;
+      }
+#pragma unroll
+      for (int d = 0; d < Cfg::kDvTiles; ++d) {
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          acc[d][e] = acc[d][e] * scale_mine[e >> 1] + theirs[(d * 4 + e) * 32 + lane] * scale_theirs[e >> 1];
+        }
+      }
+    }
+  }
+
+  // ---- epilogue: rows that saw no key get zeros and lse = -inf
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    const int r = wm * 16 + g + h * 8;
+    if (r >= rows_here) continue;
+    const int row = row0 + r;
+    const int64_t token = q_start + row / group;
+    const int head = kv_head * group + row % group;
+    const bool seen = l_i[h] > 0.f;
+    const float inv_l = seen ? 1.f / l_i[h] : 0.f;
+    const float lse2 = seen ? m_i[h] + log2f(l_i[h]) : -INFINITY;
+    if (p.num_splits > 1) {
+      const int64_t idx = (static_cast<int64_t>(split) * p.num_tokens + token) * p.num_q_heads + head;
+      float* dst = p.o_partial + idx * D;
+#pragma unroll
+      for (int d = 0; d < Cfg::kDvTiles; ++d) {
+        *reinterpret_cast<float2*>(dst + d * 8 + t4 * 2) = make_float2(acc[d][2 * h] * inv_l, acc[d][2 * h + 1] * inv_l);
+      }
+      if (t4 == 0) p.lse_partial[idx] = lse2;
+    } else {
+      T* dst = static_cast<T*>(p.out) + token * p.o_stride_t + head * p.o_stride_h;
+#pragma unroll
+      for (int d = 0; d < Cfg::kDvTiles; ++d) {
+        *reinterpret_cast<uint32_t*>(dst + d * 8 + t4 * 2) = pack2<T>(acc[d][2 * h] * inv_l, acc[d][2 * h + 1] * inv_l);
+      }
+      if (p.lse != nullptr && t4 == 0) p.lse[token * p.num_q_heads + head] = lse2 * 0.69314718055994531f;
+    }
+  }
+}
+
+// out[t, h] = sum_s 2^(lse_s - lse) * o_s over the splits in order; lse = log2 sum_s 2^lse_s.
+template <typename T>
+__global__ void merge_splits_kernel(const TreeVerifyParams p) {
+  const int64_t token = blockIdx.x / p.num_q_heads;
+  const int head = blockIdx.x % p.num_q_heads;
+  const int64_t split_stride = static_cast<int64_t>(p.num_tokens) * p.num_q_heads;
+  const int64_t idx = token * p.num_q_heads + head;
+  float mx = -INFINITY;
+  for (int s = 0; s < p.num_splits; ++s) mx = fmaxf(mx, p.lse_partial[s * split_stride + idx]);
+  const float m_safe = mx == -INFINITY ? 0.f : mx;
+  float total = 0.f;
+  for (int s = 0; s < p.num_splits; ++s) total += exp2f(p.lse_partial[s * split_stride + idx] - m_safe);
+  const float inv_total = total > 0.f ? 1.f / total : 0.f;
+  T* out = static_cast<T*>(p.out) + token * p.o_stride_t + head * p.o_stride_h;
+  for (int d = threadIdx.x; d < p.head_dim; d += blockDim.x) {
+    float o = 0.f;
+    for (int s = 0; s < p.num_splits; ++s) {
+      const float w = exp2f(p.lse_partial[s * split_stride + idx] - m_safe);
+      o += w * p.o_partial[(s * split_stride + idx) * p.head_dim + d];
+    }
+    out[d] = static_cast<T>(o * inv_total);
+  }
+  if (p.lse != nullptr && threadIdx.x == 0) {
+    p.lse[idx] = total > 0.f ? (m_safe + log2f(total)) * 0.69314718055994531f : -INFINITY;
+  }
+}
+
+template <typename T, int D>
+cudaError_t launch(const TreeVerifyParams& p, cudaStream_t stream) {
+  constexpr int kSmem = TileConfig<D>::kSmemBytes;
+  // Opt in to > 48 KB of dynamic shared memory (per device, so on every launch; it is not a
+  // stream operation, so it is also allowed while a CUDA graph is being captured).
+  const cudaError_t attr_err =
+      cudaFuncSetAttribute(tree_verify_kernel<T, D>, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmem);
+  if (attr_err != cudaSuccess) return attr_err;
+  const int m_blocks = (p.max_rows + kBlockM - 1) / kBlockM;
+  const dim3 grid(static_cast<unsigned>(p.num_requests) * p.num_kv_heads * m_blocks, p.num_splits);
+  tree_verify_kernel<T, D><<<grid, kThreads, kSmem, stream>>>(p);
+  cudaError_t err = cudaGetLastError();
+  if (err != cudaSuccess || p.num_splits == 1) return err;
+  merge_splits_kernel<T><<<p.num_tokens * p.num_q_heads, 64, 0, stream>>>(p);
+  return cudaGetLastError();
+}
+
+template <typename T>
+cudaError_t launch_for_head_dim(const TreeVerifyParams& p, cudaStream_t stream) {
+  switch (p.head_dim) {
+    case 64: return launch<T, 64>(p, stream);
+    case 128: return launch<T, 128>(p, stream);
+    case 256: return launch<T, 256>(p, stream);
+    default: return cudaErrorInvalidValue;
+  }
+}
+
+}  // namespace
+
+cudaError_t launch_tree_verify_attention(const TreeVerifyParams& p, Dtype dtype, cudaStream_t stream) {
+  if (p.num_requests == 0 || p.num_tokens == 0) return cudaSuccess;
+  return dtype == Dtype::kBFloat16 ? launch_for_head_dim<__nv_bfloat16>(p, stream)
+                                   : launch_for_head_dim<__half>(p, stream);
+}
+
+}  // namespace spec_kernels

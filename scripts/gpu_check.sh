@@ -1,0 +1,153 @@
+#!/usr/bin/env bash
+# scripts/gpu_check.sh OUTDIR: build, GPU tests and benchmarks on a GPU machine, in one bounded run.
+#
+# Made for the device machine of shared/ENV.md (one GPU; python with torch, triton, pytest,
+# pytest-benchmark, ninja; nvcc; NO internet, so nothing is downloaded). Runs in the repository
+# root wherever it is called from. Everything goes to OUTDIR:
+#   steps.tsv                      step, exit code (124: stopped at its time limit), seconds, log
+#   nvidia-smi.txt nvidia-smi-q.txt versions.txt git.txt info-before-build.txt   (step env)
+#   build.log                      pip install -e . for the local arch (setup.py fallback)
+#   info.txt                       python -m spec_kernels.info after the build
+#   gpu-tests.xml gpu-tests.log    pytest -m gpu tests/   (every gpu-marked test)
+#   memcheck.log                   compute-sanitizer memcheck over scripts/sanitizer_case.py
+#   <name>.json bench-<name>.log   pytest-benchmark of benchmarks/test_<name>.py (each module)
+#   summary.txt                    the summary printed last
+# Every step is bounded by `timeout` so that the whole run ends within GPU_CHECK_BUDGET_S
+# (default 450 s, under the 8 minutes a device check gets); a failed step is recorded and the
+# next one still runs (Triton results come back even when the CUDA build fails). The exit code
+# is 1 if any step failed, after the summary.
+#
+# Knobs: GPU_CHECK_BUDGET_S; SPEC_KERNELS_CUDA_ARCHS (default: this GPU's arch, e.g. 9.0a);
+# SPEC_KERNELS_BENCH_PRESET (default gpu-quick); SPEC_KERNELS_TRITON_AUTOTUNE=0 (no Triton
+# autotuning: faster start, untuned kernels); PYTHON; MAX_JOBS (parallel nvcc jobs).
+set -euo pipefail
+
+if [[ $# -ne 1 ]]; then
+  echo "usage: $0 OUTDIR" >&2
+  exit 2
+fi
+mkdir -p "$1"
+OUT=$(cd "$1" && pwd)
+cd "$(dirname "$0")/.."
+REPO=$(pwd)
+PY=${PYTHON:-$(command -v python || command -v python3 || true)}
+if [[ -z "$PY" ]]; then
+  echo "gpu_check: no python found (set PYTHON)" >&2
+  exit 2
+fi
+BUDGET=${GPU_CHECK_BUDGET_S:-450}
+# The in-place build fallback leaves the extension in the source tree: import the package from here.
+export PYTHONPATH="$REPO${PYTHONPATH:+:$PYTHONPATH}"
+export OUT REPO PY
+printf 'step\trc\tseconds\tlog\n' > "$OUT/steps.tsv"
+
+# step NAME CAP RESERVE LOG CMD...: run CMD, output to LOG, for at most CAP seconds and never into
+# the last RESERVE seconds of the budget (kept for the steps after it). Records the outcome in
+# steps.tsv and always returns 0.
+step() {
+  local name=$1 cap=$2 reserve=$3 log=$4
+  shift 4
+  local left=$((BUDGET - SECONDS - reserve))
+  local limit=$((cap < left ? cap : left))
+  if ((limit < 5)); then
+    printf '%s\t%s\t%s\t%s\n' "$name" "skipped:no-time" 0 - >> "$OUT/steps.tsv"
+    return 0
+  fi
+  echo "== $name (limit ${limit}s, log $(basename "$log"))"
+  local t0=$SECONDS rc=0
+  # SIGINT first: pytest then still writes its junit XML and benchmark JSON. KILL 10 s later.
+  timeout -s INT -k 10 "$limit" "$@" > "$log" 2>&1 || rc=$?
+  printf '%s\t%s\t%s\t%s\n' "$name" "$rc" "$((SECONDS - t0))" "$(basename "$log")" >> "$OUT/steps.tsv"
+}
+
+# Steps that are more than one command run as exported functions under `timeout bash -c`.
+record_env() {
+  nvidia-smi > "$OUT/nvidia-smi.txt" 2>&1 || echo "nvidia-smi failed"
+  nvidia-smi -q > "$OUT/nvidia-smi-q.txt" 2>&1 || true
+  {
+    "$PY" -VV
+    "$PY" -c 'import torch, triton; print("torch", torch.__version__, "CUDA", torch.version.cuda, "triton", triton.__version__)'
+    nvcc --version
+    "$PY" -m pip list
+  } > "$OUT/versions.txt" 2>&1 || true
+  { git -C "$REPO" log -1 --format='%H %s' && git -C "$REPO" status --short; } > "$OUT/git.txt" 2>&1 || true
+  "$PY" -m spec_kernels.info > "$OUT/info-before-build.txt" 2>&1 || true
+}
+
+build_extension() {
+  echo "SPEC_KERNELS_CUDA_ARCHS=$SPEC_KERNELS_CUDA_ARCHS MAX_JOBS=$MAX_JOBS"
+  # -v: pip shows the compiler output, including ptxas' registers / spills per kernel.
+  # --no-index: there is no internet; never wait on an index.
+  "$PY" -m pip install --no-build-isolation --no-deps --no-index -v -e . && return 0
+  echo "== pip install -e . failed; falling back to: setup.py build_ext --inplace"
+  "$PY" setup.py build_ext --inplace
+}
+export -f record_env build_extension
+
+# The GPU's own arch (9.0 -> 9.0a: the "a" variant exists from sm_90 on), unless given.
+cap=$(timeout 60 "$PY" -c 'import torch; print("%d.%d" % torch.cuda.get_device_capability())' 2>/dev/null) || cap=""
+if [[ -z "$cap" ]]; then
+  arch_default=9.0a
+elif [[ "${cap%%.*}" -ge 9 ]]; then
+  arch_default=${cap}a
+else
+  arch_default=$cap
+fi
+export SPEC_KERNELS_CUDA_ARCHS=${SPEC_KERNELS_CUDA_ARCHS:-$arch_default}
+export MAX_JOBS=${MAX_JOBS:-$(nproc)}
+
+#    name        cap  reserve  log
+step env          60  390  "$OUT/env.log"          bash -c record_env
+step build       240  200  "$OUT/build.log"        bash -c build_extension
+step info         30  180  "$OUT/info.txt"         "$PY" -m spec_kernels.info
+step gpu-tests   150  150  "$OUT/gpu-tests.log"    "$PY" -m pytest -m gpu tests/ -q -p no:cacheprovider \
+                                                       --junitxml="$OUT/gpu-tests.xml"
+# memcheck over one representative case of every CUDA kernel, where the machine has the tool.
+if command -v compute-sanitizer > /dev/null; then
+  step memcheck   60  120  "$OUT/memcheck.log"     compute-sanitizer --tool memcheck --error-exitcode 1 \
+                                                       "$PY" scripts/sanitizer_case.py
+fi
+
+# Every benchmark module, each with its own JSON, sharing what is left of the budget fairly.
+shopt -s nullglob
+modules=(benchmarks/test_*.py)
+for i in "${!modules[@]}"; do
+  name=$(basename "${modules[$i]}" .py)
+  name=${name#test_}
+  share=$(((BUDGET - SECONDS - 20) / (${#modules[@]} - i)))
+  step "bench-$name" "$share" 20 "$OUT/bench-$name.log" \
+    env SPEC_KERNELS_BENCH_PRESET="${SPEC_KERNELS_BENCH_PRESET:-gpu-quick}" \
+    "$PY" -m pytest "${modules[$i]}" --benchmark-only --benchmark-json="$OUT/$name.json" -q -p no:cacheprovider
+done
+
+# ----------------------------------------------------------------------------- summary
+summarize() {
+  echo "== gpu_check summary: $(date -u +%Y-%m-%dT%H:%M:%SZ), ${SECONDS}s of a ${BUDGET}s budget, OUTDIR $OUT"
+  echo "   rc: 0 ok, 1 failures, 5 no tests collected, 124 stopped at its time limit"
+  column -t -s $'\t' "$OUT/steps.tsv" 2>/dev/null || cat "$OUT/steps.tsv"
+  grep -E "^(GPU 0|CUDA extension)" "$OUT/info.txt" 2>/dev/null || true
+  if [[ -f "$OUT/gpu-tests.xml" ]]; then
+    "$PY" - "$OUT/gpu-tests.xml" <<'EOF' || true
+import sys
+import xml.etree.ElementTree as ET
+
+root = ET.parse(sys.argv[1]).getroot()
+suites = [root] if root.tag == "testsuite" else list(root)
+count = {k: sum(int(s.get(k, 0)) for s in suites) for k in ("tests", "failures", "errors", "skipped")}
+print("gpu tests: " + ", ".join(f"{v} {k}" for k, v in count.items()))
+for case in root.iter("testcase"):
+    if case.find("failure") is not None or case.find("error") is not None:
+        print(f"  FAILED {case.get('classname')}::{case.get('name')}")
+EOF
+  fi
+  local jsons=("$OUT"/*.json)
+  if ((${#jsons[@]})); then
+    timeout 60 "$PY" benchmarks/_timing.py "${jsons[@]}" || echo "(benchmark summary failed)"
+  else
+    echo "no benchmark JSON was written"
+  fi
+}
+summarize 2>&1 | tee "$OUT/summary.txt"
+
+# Fail if any step did (no gpu-marked tests, rc 5, is not a failure).
+awk -F'\t' 'NR > 1 && $2 != 0 && $2 != 5 { bad = 1 } END { exit bad }' "$OUT/steps.tsv"

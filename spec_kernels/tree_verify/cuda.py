@@ -1,0 +1,40 @@
+"""CUDA binding of tree-verify attention: sizes the launch, allocates the split buffers and calls
+torch.ops.spec_kernels_cuda.tree_verify_attention (csrc/tree_verify/tree_verify_attention.cu,
+host checks in csrc/ops.cpp)."""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from .._ops import cuda_ops
+from .launch_plan import MIN_SPLIT_KEYS, max_rows
+from .launch_plan import num_kv_splits as plan_splits
+
+BLOCK_M = 64  # rows per CTA: kTreeVerifyBlockM in csrc/include/spec_kernels/tree_verify.h
+
+
+def supports(q, k_cache, v_cache, *_) -> Optional[str]:
+    """None when the CUDA kernel handles these inputs, else why not (then Triton runs)."""
+    if q.dtype not in (torch.float16, torch.bfloat16):
+        return f"the CUDA kernel takes float16/bfloat16 (tensor cores), got {q.dtype}"
+    if v_cache.shape[2] != q.shape[2]:
+        return f"the CUDA kernel needs the V head dim ({v_cache.shape[2]}) equal to Q's ({q.shape[2]})"
+    return None
+
+
+def tree_verify_attention(q, k_cache, v_cache, kv_indptr, kv_indices, qo_indptr, tree_mask, sm_scale,
+                          out, lse, num_kv_splits=0, max_draft_tokens=0) -> None:
+    T, Hq, D = q.shape
+    Hkv = k_cache.shape[1]
+    B = kv_indptr.numel() - 1
+    rows = max_rows(T, Hq // Hkv, qo_indptr is None, max_draft_tokens)
+    splits = num_kv_splits or plan_splits(q.device, B, Hkv, rows, BLOCK_M)
+    o_partial = lse_partial = None
+    if splits > 1:
+        o_partial = torch.empty((splits, T, Hq, D), dtype=torch.float32, device=q.device)
+        lse_partial = torch.empty((splits, T, Hq), dtype=torch.float32, device=q.device)
+    # A forced split count divides the prefix evenly; automatic splits keep >= 256 keys each.
+    min_chunk = 0 if num_kv_splits else MIN_SPLIT_KEYS
+    cuda_ops().tree_verify_attention(q, k_cache, v_cache, kv_indptr, kv_indices, qo_indptr, tree_mask,
+                                     out, lse, o_partial, lse_partial, sm_scale, splits, min_chunk, rows)
