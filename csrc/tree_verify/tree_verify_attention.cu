@@ -340,7 +340,7 @@ __global__ void merge_splits_kernel(const TreeVerifyParams p) {
       const float w = exp2f(p.lse_partial[s * split_stride + idx] - m_safe);
       o += w * p.o_partial[(s * split_stride + idx) * p.head_dim + d];
     }
-    out[d] = static_cast<T>(o * inv_total);
+    out[d] = from_float<T>(o * inv_total);
   }
   if (p.lse != nullptr && threadIdx.x == 0) {
     p.lse[idx] = total > 0.f ? (m_safe + log2f(total)) * 0.69314718055994531f : -INFINITY;

@@ -83,6 +83,14 @@ __device__ __forceinline__ uint32_t pack2<__nv_bfloat16>(float a, float b) {
   return *reinterpret_cast<uint32_t*>(&h);
 }
 
+// float -> T, explicitly: torch builds with __CUDA_NO_HALF_CONVERSIONS__ (no implicit casts).
+template <typename T>
+__device__ __forceinline__ T from_float(float x);
+template <>
+__device__ __forceinline__ __half from_float<__half>(float x) { return __float2half_rn(x); }
+template <>
+__device__ __forceinline__ __nv_bfloat16 from_float<__nv_bfloat16>(float x) { return __float2bfloat16_rn(x); }
+
 // Offset (in elements) of 16-byte chunk `chunk` of row `row` in a [rows][kChunks * 8] tile whose
 // chunks are XOR-swizzled by row: the 8 rows read by one ldmatrix hit 8 different bank groups.
 template <int kChunks>
