@@ -1,0 +1,387 @@
+"""`SpecFusedAttnBackend`: SGLang 0.5.23's attention-backend interface on spec-kernels' ops.
+
+Who runs what:
+
+* DECODE          -> `spec_kernels.decode_attention` (one query per request, all its KV);
+* TARGET_VERIFY   -> `spec_kernels.tree_verify_attention`: the request's prefix plus its n
+                     draft slots, drafts masked by 64-bit ancestor words converted on device
+                     from SGLang's verify mask (see masks.py);
+* everything else (EXTEND, MIXED, DLLM/draft extend) -> an ordinary SGLang backend built here
+  (`prefill_backend`: triton, or flashinfer when installed and on a GPU), so prefill keeps
+  its tuned kernels and prefix-cache handling.
+
+Metadata is built from the batch's KV-index plan (`KVIndexTranslator.pack_read_stream`,
+the same stream SGLang's own backends read) with device ops only. In eager mode the
+buffers are fresh tensors; after `init_cuda_graph_state` they are static buffers that
+`init_forward_metadata_out_graph` refills before capture and before every replay, so the
+captured kernels read new indices from the same addresses and nothing syncs with the host.
+
+This module imports SGLang; the plugin imports it only when SGLang builds the backend.
+"""
+from __future__ import annotations
+
+import logging
+import os
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+from sglang.srt.layers.attention.attention_registry import ATTENTION_BACKENDS
+from sglang.srt.layers.attention.base_attn_backend import AttentionBackend
+from sglang.srt.layers.attention.verify_mask import VerifyMask
+from sglang.srt.layers.radix_attention import AttentionType
+from sglang.srt.mem_cache.memory_pool import KVWriteLoc
+from sglang.srt.model_executor.forward_batch_info import ForwardBatch, ForwardMode
+from sglang.srt.runtime_context import get_parallel, get_spec
+from sglang.srt.speculative.eagle_utils import TreeMaskMode
+
+from .. import decode_attention, tree_verify_attention
+from . import masks
+
+logger = logging.getLogger(__name__)
+
+BACKEND_NAME = "specfused"
+HEAD_DIMS = (64, 128, 256)
+KV_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+EXTEND_BACKEND_ENV = "SPEC_KERNELS_SGLANG_EXTEND_BACKEND"
+
+
+class SpecFusedUnsupported(NotImplementedError):
+    """A model or layer feature the specfused backend does not implement (yet)."""
+
+
+@dataclass
+class _Metadata:
+    """What one DECODE / TARGET_VERIFY forward reads, built once per batch for all layers."""
+
+    kv_indptr: torch.Tensor  # int32 [bs + 1]
+    kv_indices: torch.Tensor  # int32 slot ids: each request's prefix, then its drafts
+    qo_indptr: Optional[torch.Tensor]  # int32 [bs + 1], verify only
+    tree_mask: Optional[torch.Tensor]  # int64 [bs * n], verify only
+    num_draft: int  # tokens per request (1 for decode)
+
+
+def extend_backend_name(device: str) -> str:
+    """The SGLang backend that runs prefill: $SPEC_KERNELS_SGLANG_EXTEND_BACKEND, or
+    flashinfer on a GPU when it is installed, else triton."""
+    name = os.environ.get(EXTEND_BACKEND_ENV, "auto").strip() or "auto"
+    if name != "auto":
+        if name == BACKEND_NAME or name not in ATTENTION_BACKENDS:
+            raise ValueError(f"{EXTEND_BACKEND_ENV}={name!r} must name an SGLang attention backend "
+                             f"other than {BACKEND_NAME!r} (e.g. triton, flashinfer)")
+        return name
+    if str(device).startswith("cuda") and torch.cuda.is_available():
+        import importlib.util
+
+        if importlib.util.find_spec("flashinfer") is not None:
+            return "flashinfer"
+    return "triton"
+
+
+def check_model_supported(model_runner) -> None:
+    """Raise SpecFusedUnsupported (or ValueError) naming what this model needs that specfused lacks."""
+    hint = "use --attention-backend triton or flashinfer for this model"
+    if getattr(model_runner, "use_mla_backend", False):
+        raise SpecFusedUnsupported(
+            "specfused does not support MLA models (DeepSeek-V3, Kimi K2.5) yet: MLA tree-verify "
+            f"attention is a separate, not yet landed kernel; {hint}")
+    if getattr(model_runner, "is_draft_worker", False):
+        raise ValueError(
+            "specfused serves the target model only; the draft model needs a backend SGLang's draft "
+            "worker supports: pass --speculative-draft-attention-backend triton (or flashinfer), "
+            "or keep the spec_kernels plugin's draft hook enabled (see docs/sglang.md)")
+    cfg = model_runner.model_config
+    if getattr(cfg, "is_encoder_decoder", False):
+        raise SpecFusedUnsupported(f"specfused does not support encoder-decoder (cross-attention) models; {hint}")
+    if getattr(model_runner, "sliding_window_size", None) is not None:
+        raise SpecFusedUnsupported(f"specfused does not support sliding-window attention yet; {hint}")
+    if get_parallel().attn_dcp_size > 1:
+        raise SpecFusedUnsupported("specfused does not support decode context parallelism (DCP)")
+    head_dim, v_head_dim = cfg.head_dim, getattr(cfg, "v_head_dim", cfg.head_dim)
+    if head_dim not in HEAD_DIMS or v_head_dim not in HEAD_DIMS:
+        raise SpecFusedUnsupported(
+            f"specfused supports head dims {HEAD_DIMS}, this model has q/k {head_dim}, v {v_head_dim}; {hint}")
+    if model_runner.kv_cache_dtype not in KV_DTYPES:
+        raise SpecFusedUnsupported(
+            f"specfused reads fp16/bf16/fp32 KV caches, got {model_runner.kv_cache_dtype} "
+            "(--kv-cache-dtype auto keeps the model dtype)")
+    num_draft = get_spec().speculative_num_draft_tokens or 0
+    if num_draft > masks.MAX_DRAFT_TOKENS:
+        raise SpecFusedUnsupported(
+            f"specfused verifies at most {masks.MAX_DRAFT_TOKENS} draft tokens per request, "
+            f"--speculative-num-draft-tokens is {num_draft}")
+
+
+def _check_layer(layer, sinks=None, score_mod=None) -> None:
+    # Per-layer features the fused kernel has no code for; failing loudly beats wrong output.
+    unsupported = []
+    if layer.logit_cap and layer.logit_cap > 0:
+        unsupported.append("logit soft-capping")
+    if layer.sliding_window_size is not None and layer.sliding_window_size > -1:
+        unsupported.append("sliding-window attention")
+    if layer.is_cross_attention or layer.attn_type != AttentionType.DECODER:
+        unsupported.append(f"attention type {layer.attn_type} / cross-attention")
+    if layer.k_scale is not None or layer.v_scale is not None:
+        unsupported.append("quantized-KV scales (k_scale/v_scale)")
+    if getattr(layer, "xai_temperature_len", -1) > 0:
+        unsupported.append("xai temperature scaling")
+    if sinks is not None:
+        unsupported.append("attention sinks")
+    if score_mod is not None:
+        unsupported.append("score_mod")
+    if unsupported:
+        raise SpecFusedUnsupported(
+            f"specfused: layer {layer.layer_id} uses {', '.join(unsupported)}, which the fused "
+            "decode/verify kernel does not implement; use --attention-backend triton for this model")
+
+
+class SpecFusedAttnBackend(AttentionBackend):
+    """DECODE and TARGET_VERIFY on spec-kernels; other modes on an internal SGLang backend."""
+
+    # Reads seq_lens_sum only to size eager buffers, with an upper-bound fallback.
+    needs_cpu_seq_lens: bool = False
+
+    def __init__(self, model_runner, prefill_backend: Optional[AttentionBackend] = None):
+        super().__init__()
+        check_model_supported(model_runner)
+        self.device = torch.device(model_runner.device)
+        self.page_size = getattr(model_runner, "page_size", 1) or 1
+        self.req_to_token_pool = model_runner.req_to_token_pool
+        self.token_to_kv_pool = model_runner.token_to_kv_pool
+        self.kv_index_translator = model_runner.kv_index_translator
+        self.max_context_len = model_runner.model_config.context_len
+        self.data_type = model_runner.kv_cache_dtype
+        self.kv_cache_dtype = model_runner.kv_cache_dtype
+        self.num_draft_tokens = get_spec().speculative_num_draft_tokens or 0
+
+        if prefill_backend is None:
+            name = extend_backend_name(self.device.type)
+            prefill_backend = ATTENTION_BACKENDS[name](model_runner)
+            logger.info("specfused: DECODE/TARGET_VERIFY on spec-kernels, prefill on SGLang's %s backend", name)
+        self.prefill_backend = prefill_backend
+        self.attn_backend_list = [prefill_backend]
+
+        # A compact (n x n per request) verify mask: offered to the draft stage through
+        # `verify_mask`, so SGLang never builds the n x (prefix + n) mask for us. Sized for
+        # every request slot, so every verify batch fits it.
+        self._verify_mask = None
+        if self.num_draft_tokens > 0:
+            max_bs = self.req_to_token_pool.size
+            self._verify_mask = VerifyMask(
+                buffer=torch.ones(max_bs * self.num_draft_tokens ** 2, dtype=torch.bool, device=self.device),
+                mode=TreeMaskMode.QLEN_ONLY,
+                max_bs=max_bs,
+                is_read=True,
+            )
+        self.forward_metadata: Optional[_Metadata] = None
+        self._graph = None  # static buffers, set by init_cuda_graph_state
+
+    # ------------------------------------------------------------------ routing
+    @staticmethod
+    def _is_ours(mode: ForwardMode) -> bool:
+        return mode.is_decode_or_idle() or mode.is_target_verify()
+
+    def init_forward_metadata(self, forward_batch: ForwardBatch):
+        if self._is_ours(forward_batch.forward_mode):
+            self.forward_metadata = self._build_metadata(forward_batch, static=False)
+        else:
+            self.prefill_backend.init_forward_metadata(forward_batch)
+
+    def init_forward_metadata_out_graph(self, forward_batch: ForwardBatch, in_capture: bool = False):
+        if self._is_ours(forward_batch.forward_mode):
+            # Capture and replay run the same body: refill the static buffers. The metadata
+            # object made at capture points at them, and the captured kernels keep reading there.
+            metadata = self._build_metadata(forward_batch, static=True)
+            if in_capture:
+                self.forward_metadata = metadata
+        else:
+            self.prefill_backend.init_forward_metadata_out_graph(forward_batch, in_capture=in_capture)
+
+    def init_forward_metadata_in_graph(self, forward_batch: ForwardBatch):
+        if not self._is_ours(forward_batch.forward_mode):
+            self.prefill_backend.init_forward_metadata_in_graph(forward_batch)
+
+    def init_cuda_graph_state(self, max_bs: int, max_num_tokens: int):
+        # Every request's KV (prefix + its tokens) fits max_context_len + its tokens.
+        sizes = dict(kv_indptr=max_bs + 1, qo_indptr=max_bs + 1,
+                     kv_indices=max_bs * self.max_context_len + max_num_tokens, tree_mask=max_num_tokens)
+        if self._graph is not None and all(self._graph[k].numel() >= v for k, v in sizes.items()):
+            return  # graphs captured earlier keep reading these very buffers
+        dtypes = dict(kv_indptr=torch.int32, qo_indptr=torch.int32, kv_indices=torch.int32, tree_mask=torch.int64)
+        self._graph = {k: torch.zeros(v, dtype=dtypes[k], device=self.device) for k, v in sizes.items()}
+
+    def get_cuda_graph_seq_len_fill_value(self):
+        # Padded lanes of a graph batch get one KV slot, so no query is left without keys.
+        return 1
+
+    @property
+    def verify_mask(self) -> Optional[VerifyMask]:
+        return self._verify_mask
+
+    def update_verify_buffers_to_fill_after_draft(self, spec_info, cuda_graph_bs):
+        # The mask is converted in init_forward_metadata*, after the draft stage wrote it.
+        pass
+
+    def get_fused_kv_write_buffers(self, layer, forward_batch):
+        if self._is_ours(forward_batch.forward_mode):
+            return None
+        return self.prefill_backend.get_fused_kv_write_buffers(layer, forward_batch)
+
+    # Prefill-side properties and hooks that SGLang's graph runners and scheduler read.
+    @property
+    def dllm_attention(self):
+        return self.prefill_backend.dllm_attention
+
+    @property
+    def extend_dummy_seqs_capped_by_req_pool(self) -> bool:
+        return getattr(self.prefill_backend, "extend_dummy_seqs_capped_by_req_pool", False)
+
+    @property
+    def extend_attention_block_m(self):
+        return self.prefill_backend.extend_attention_block_m  # AttributeError -> hasattr False
+
+    @property
+    def use_captured_forward_metadata_for_breakable_cuda_graph(self) -> bool:
+        return self.prefill_backend.use_captured_forward_metadata_for_breakable_cuda_graph
+
+    @property
+    def prefill_cuda_graph_max_batch_size(self):
+        return self.prefill_backend.prefill_cuda_graph_max_batch_size
+
+    @property
+    def supports_full_cuda_graph_chunked_prefix(self) -> bool:
+        return self.prefill_backend.supports_full_cuda_graph_chunked_prefix
+
+    @property
+    def supports_prefill_cuda_graph_max_context_size(self) -> bool:
+        return self.prefill_backend.supports_prefill_cuda_graph_max_context_size
+
+    @property
+    def prefill_cuda_graph_default_max_seq_len(self):
+        return self.prefill_backend.prefill_cuda_graph_default_max_seq_len
+
+    def prepare_full_cuda_graph_chunked_prefix(self, forward_batch, *, in_capture: bool) -> None:
+        self.prefill_backend.prepare_full_cuda_graph_chunked_prefix(forward_batch, in_capture=in_capture)
+
+    def init_forward_metadata_for_breakable_cuda_graph_capture(self, forward_batch):
+        return self.prefill_backend.init_forward_metadata_for_breakable_cuda_graph_capture(forward_batch)
+
+    def prepare_forward_metadata_for_breakable_cuda_graph_replay(self, capture_metadata, forward_batch, *,
+                                                                 static_forward_batch=None):
+        self.prefill_backend.prepare_forward_metadata_for_breakable_cuda_graph_replay(
+            capture_metadata, forward_batch, static_forward_batch=static_forward_batch)
+
+    def _snapshot_prefill_shared_reads(self, forward_batch, *, num_qo_tokens: int):
+        return self.prefill_backend._snapshot_prefill_shared_reads(forward_batch, num_qo_tokens=num_qo_tokens)
+
+    def on_after_cuda_graph_warmup(self):
+        self.prefill_backend.on_after_cuda_graph_warmup()
+
+    # ------------------------------------------------------------------ metadata
+    def _build_metadata(self, fb: ForwardBatch, static: bool) -> Optional[_Metadata]:
+        mode = fb.forward_mode
+        bs = fb.batch_size
+        if mode.is_idle() or bs == 0:
+            return None
+        if static and self._graph is None:
+            raise RuntimeError("specfused: init_cuda_graph_state must run before CUDA-graph metadata")
+        req_pool_indices = fb.req_pool_indices[:bs]
+        seq_lens = fb.seq_lens[:bs]
+        if mode.is_target_verify():
+            n = self._tokens_per_request(fb.spec_info)
+            kv_lens = seq_lens + n  # TARGET_VERIFY seq_lens exclude the drafts
+        else:
+            n = 1
+            kv_lens = seq_lens
+        if static:
+            buffers = self._graph
+            kv_indptr = buffers["kv_indptr"][: bs + 1]
+            kv_indices = buffers["kv_indices"]
+        else:
+            kv_indptr = torch.zeros(bs + 1, dtype=torch.int32, device=self.device)
+            # seq_lens_sum is a host int (None in gpu_only mode: then an upper bound).
+            total = fb.seq_lens_sum if fb.seq_lens_sum is not None else bs * self.max_context_len
+            kv_indices = torch.empty(total + bs * n, dtype=torch.int32, device=self.device)
+        kv_indptr[1:] = torch.cumsum(kv_lens, 0)
+        # The slots come from SGLang's own KV-index plan: virtual->physical translation and
+        # page tables are its business; the drafts' slots follow the prefix in req_to_token.
+        self.kv_index_translator.pack_read_stream(
+            fb.kv_loc_plan, req_pool_indices=req_pool_indices, seq_lens=kv_lens, indptr=kv_indptr,
+            out=kv_indices)
+        if not mode.is_target_verify():
+            return _Metadata(kv_indptr, kv_indices, None, None, 1)
+
+        if static:
+            qo_indptr = buffers["qo_indptr"][: bs + 1]
+            torch.arange(0, (bs + 1) * n, n, dtype=torch.int32, device=self.device, out=qo_indptr)
+            tree_mask = buffers["tree_mask"][: bs * n]
+            tree_mask.copy_(self._draft_words(fb.spec_info, seq_lens, bs, n))
+        else:
+            qo_indptr = torch.arange(0, (bs + 1) * n, n, dtype=torch.int32, device=self.device)
+            tree_mask = self._draft_words(fb.spec_info, seq_lens, bs, n)
+        return _Metadata(kv_indptr, kv_indices, qo_indptr, tree_mask, n)
+
+    def _tokens_per_request(self, spec_info) -> int:
+        # `--speculative-adaptive` verifies with draft_token_num = 1 when it turns drafting
+        # off; num_tokens_per_req is the per-batch width (a host int).
+        n = getattr(spec_info, "num_tokens_per_req", -1) if spec_info is not None else -1
+        if n is None or n <= 0:
+            n = getattr(spec_info, "draft_token_num", None) or self.num_draft_tokens
+        if not 1 <= n <= masks.MAX_DRAFT_TOKENS:
+            raise SpecFusedUnsupported(f"specfused verifies 1..{masks.MAX_DRAFT_TOKENS} tokens per request, got {n}")
+        return int(n)
+
+    def _draft_words(self, spec_info, prefix_lens: torch.Tensor, bs: int, n: int) -> torch.Tensor:
+        mask = getattr(spec_info, "custom_mask", None)
+        if n == 1:
+            return torch.ones(bs, dtype=torch.int64, device=self.device)
+        if mask is None:  # no mask: SGLang's backends run the drafts causally (a chain)
+            return masks.chain_words(bs * n, n, self.device)
+        qlen_buffer = self._verify_mask.buffer if self._verify_mask is not None else None
+        if masks.is_qlen_layout(mask, bs, n, qlen_buffer):
+            return masks.words_from_qlen_mask(mask, bs, n)
+        return masks.words_from_full_mask(mask, prefix_lens, n)
+
+    # ------------------------------------------------------------------ forward
+    def _save_kv(self, layer, forward_batch, k, v, save_kv_cache: bool) -> None:
+        if save_kv_cache and k is not None and v is not None:
+            self.token_to_kv_pool.set_kv_buffer(layer, KVWriteLoc.for_batch(forward_batch), k, v)
+
+    def _kv_buffers(self, layer):
+        k_cache = self.token_to_kv_pool.get_key_buffer(layer.layer_id)
+        v_cache = self.token_to_kv_pool.get_value_buffer(layer.layer_id)
+        if k_cache.dim() != 3 or v_cache.dim() != 3:
+            raise SpecFusedUnsupported(
+                f"specfused reads token-major [slots, heads, dim] KV buffers, got {tuple(k_cache.shape)}; "
+                "the HND / vectorized KV layouts are not supported")
+        return k_cache, v_cache
+
+    def _attend(self, q, k, v, layer, forward_batch, save_kv_cache, sinks, score_mod, verify: bool):
+        _check_layer(layer, sinks, score_mod)
+        self._save_kv(layer, forward_batch, k, v, save_kv_cache)
+        md = self.forward_metadata
+        q3 = q.reshape(-1, layer.tp_q_head_num, layer.qk_head_dim).contiguous()
+        o = q.new_empty((q3.shape[0], layer.tp_q_head_num * layer.v_head_dim))
+        out = o.view(-1, layer.tp_q_head_num, layer.v_head_dim)
+        k_cache, v_cache = self._kv_buffers(layer)
+        if verify:
+            # max_draft_tokens: every request has md.num_draft tokens; it sizes the launch.
+            tree_verify_attention(q3, k_cache, v_cache, md.kv_indptr, md.kv_indices, md.qo_indptr, md.tree_mask,
+                                  sm_scale=layer.scaling, out=out, max_draft_tokens=md.num_draft)
+        else:
+            decode_attention(q3, k_cache, v_cache, md.kv_indptr, md.kv_indices, sm_scale=layer.scaling, out=out)
+        return o
+
+    def forward_decode(self, q, k, v, layer, forward_batch: ForwardBatch, save_kv_cache: bool = True,
+                       sinks=None, score_mod=None, **kwargs):
+        return self._attend(q, k, v, layer, forward_batch, save_kv_cache, sinks, score_mod, verify=False)
+
+    def forward_extend(self, q, k, v, layer, forward_batch: ForwardBatch, save_kv_cache: bool = True,
+                       sinks=None, score_mod=None, **kwargs):
+        if forward_batch.forward_mode.is_target_verify():
+            return self._attend(q, k, v, layer, forward_batch, save_kv_cache, sinks, score_mod, verify=True)
+        if sinks is not None:
+            kwargs["sinks"] = sinks
+        if score_mod is not None:
+            kwargs["score_mod"] = score_mod
+        return self.prefill_backend.forward_extend(q, k, v, layer, forward_batch, save_kv_cache, **kwargs)
