@@ -10,9 +10,12 @@
 #include <c10/cuda/CUDAStream.h>
 #include <torch/library.h>
 
+#include <optional>
+#include <utility>
 #include <vector>
 
 #include "spec_kernels/launchers.h"
+#include "spec_kernels/tree_verify.h"
 
 namespace {
 
@@ -53,6 +56,218 @@ std::vector<int64_t> compiled_archs() {
 
 int64_t compiled_cuda_version() { return spec_kernels::compiled_cuda_runtime_version(); }
 
+// ---------------------------------------------------------------- tree-verify attention
+void check_cuda(const at::Tensor& t, const char* name, const at::Device& device) {
+  TORCH_CHECK(t.device() == device, name, " must be on ", device, " like q, got ", t.device());
+  TORCH_CHECK(t.is_contiguous(), name, " must be contiguous");
+}
+
+void check_shape(const at::Tensor& t, const char* name, c10::IntArrayRef expected) {
+  TORCH_CHECK(t.sizes() == expected, name, " must have shape ", expected, ", got ", t.sizes());
+}
+
+void tree_verify_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                           const at::Tensor& kv_indptr, const at::Tensor& kv_indices,
+                           const std::optional<at::Tensor>& qo_indptr, const std::optional<at::Tensor>& tree_mask,
+                           at::Tensor& out, const std::optional<at::Tensor>& lse,
+                           const std::optional<at::Tensor>& o_partial, const std::optional<at::Tensor>& lse_partial,
+                           double sm_scale, int64_t num_splits, int64_t min_chunk, int64_t max_rows) {
+  TORCH_CHECK(q.is_cuda(), "q must be a CUDA tensor, got device ", q.device());
+  const at::Device dev = q.device();
+  TORCH_CHECK(q.scalar_type() == at::kHalf || q.scalar_type() == at::kBFloat16,
+              "q must be float16 or bfloat16, got ", q.scalar_type());
+  TORCH_CHECK(q.dim() == 3 && k_cache.dim() == 3 && v_cache.dim() == 3,
+              "q, k_cache and v_cache must be 3-D ([T, Hq, D], [S, Hkv, D], [S, Hkv, D])");
+  for (const auto& [t, name] : {std::pair{&q, "q"}, {&k_cache, "k_cache"}, {&v_cache, "v_cache"}, {&out, "out"}}) {
+    check_cuda(*t, name, dev);
+    TORCH_CHECK(t->scalar_type() == q.scalar_type(), name, " must have q's dtype ", q.scalar_type());
+  }
+  const int64_t T = q.size(0), Hq = q.size(1), D = q.size(2), S = k_cache.size(0), Hkv = k_cache.size(1);
+  TORCH_CHECK(D == 64 || D == 128 || D == 256, "head dim must be 64, 128 or 256, got ", D);
+  check_shape(k_cache, "k_cache", {S, Hkv, D});
+  check_shape(v_cache, "v_cache", {S, Hkv, D});
+  TORCH_CHECK(Hkv > 0 && Hq % Hkv == 0, "q heads (", Hq, ") must be a multiple of KV heads (", Hkv, ")");
+  check_shape(out, "out", {T, Hq, D});
+  check_cuda(kv_indptr, "kv_indptr", dev);
+  TORCH_CHECK(kv_indptr.dim() == 1 && kv_indptr.numel() >= 1 && kv_indptr.scalar_type() == at::kInt,
+              "kv_indptr must be int32 [B+1]");
+  const int64_t B = kv_indptr.numel() - 1;
+  check_cuda(kv_indices, "kv_indices", dev);
+  TORCH_CHECK(kv_indices.dim() == 1 && (kv_indices.scalar_type() == at::kInt || kv_indices.scalar_type() == at::kLong),
+              "kv_indices must be 1-D int32 or int64");
+  TORCH_CHECK(qo_indptr.has_value() == tree_mask.has_value(), "qo_indptr and tree_mask go together (both None: decode)");
+  if (qo_indptr.has_value()) {
+    check_cuda(*qo_indptr, "qo_indptr", dev);
+    TORCH_CHECK(qo_indptr->scalar_type() == at::kInt, "qo_indptr must be int32");
+    check_shape(*qo_indptr, "qo_indptr", {B + 1});
+    check_cuda(*tree_mask, "tree_mask", dev);
+    TORCH_CHECK(tree_mask->scalar_type() == at::kLong, "tree_mask must be int64");
+    check_shape(*tree_mask, "tree_mask", {T});
+  } else {
+    TORCH_CHECK(T == B, "decode needs one query per request: q has ", T, " rows, kv_indptr ", B, " requests");
+  }
+  if (lse.has_value()) {
+    check_cuda(*lse, "lse", dev);
+    TORCH_CHECK(lse->scalar_type() == at::kFloat, "lse must be float32");
+    check_shape(*lse, "lse", {T, Hq});
+  }
+  TORCH_CHECK(num_splits >= 1 && num_splits <= 64, "num_splits must be in [1, 64], got ", num_splits);
+  TORCH_CHECK(min_chunk >= 0, "min_chunk must be >= 0");
+  if (num_splits > 1) {
+    TORCH_CHECK(o_partial.has_value() && lse_partial.has_value(), "num_splits > 1 needs o_partial and lse_partial");
+    check_cuda(*o_partial, "o_partial", dev);
+    check_cuda(*lse_partial, "lse_partial", dev);
+    TORCH_CHECK(o_partial->scalar_type() == at::kFloat && lse_partial->scalar_type() == at::kFloat,
+                "o_partial and lse_partial must be float32");
+    check_shape(*o_partial, "o_partial", {num_splits, T, Hq, D});
+    check_shape(*lse_partial, "lse_partial", {num_splits, T, Hq});
+  }
+  TORCH_CHECK(num_splits * T * Hq < (int64_t{1} << 31) && B * Hkv * (Hq / Hkv) * 64 < (int64_t{1} << 31),
+              "batch too large for 32-bit grid indexing");
+
+  spec_kernels::TreeVerifyParams p{};
+  p.q = q.data_ptr();
+  p.k_cache = k_cache.data_ptr();
+  p.v_cache = v_cache.data_ptr();
+  p.kv_indptr = kv_indptr.data_ptr<int32_t>();
+  p.kv_indices = kv_indices.data_ptr();
+  p.kv_indices_int64 = kv_indices.scalar_type() == at::kLong;
+  p.qo_indptr = qo_indptr.has_value() ? qo_indptr->data_ptr<int32_t>() : nullptr;
+  p.tree_mask = tree_mask.has_value() ? tree_mask->data_ptr<int64_t>() : nullptr;
+  p.out = out.data_ptr();
+  p.lse = lse.has_value() ? lse->data_ptr<float>() : nullptr;
+  p.o_partial = num_splits > 1 ? o_partial->data_ptr<float>() : nullptr;
+  p.lse_partial = num_splits > 1 ? lse_partial->data_ptr<float>() : nullptr;
+  p.q_stride_t = q.stride(0);
+  p.q_stride_h = q.stride(1);
+  p.k_stride_s = k_cache.stride(0);
+  p.k_stride_h = k_cache.stride(1);
+  p.v_stride_s = v_cache.stride(0);
+  p.v_stride_h = v_cache.stride(1);
+  p.o_stride_t = out.stride(0);
+  p.o_stride_h = out.stride(1);
+  p.num_requests = static_cast<int>(B);
+  p.num_tokens = static_cast<int>(T);
+  p.num_q_heads = static_cast<int>(Hq);
+  p.num_kv_heads = static_cast<int>(Hkv);
+  p.head_dim = static_cast<int>(D);
+  const int64_t group = Hq / Hkv;
+  TORCH_CHECK(max_rows >= 1 && max_rows <= spec_kernels::kMaxDraftTokens * group,
+              "max_rows must be in [1, 64 * Hq / Hkv], got ", max_rows);
+  p.max_rows = static_cast<int>(max_rows);
+  p.num_splits = static_cast<int>(num_splits);
+  p.min_chunk = static_cast<int>(min_chunk);
+  p.sm_scale_log2 = static_cast<float>(sm_scale * 1.4426950408889634);
+  const c10::cuda::CUDAGuard guard(dev);
+  check_launch(spec_kernels::launch_tree_verify_attention(
+                   p, q.scalar_type() == at::kBFloat16 ? spec_kernels::Dtype::kBFloat16 : spec_kernels::Dtype::kFloat16,
+                   c10::cuda::getCurrentCUDAStream(dev.index()).stream()),
+               "tree_verify_attention");
+}
+
+// ---------------------------------------------------------------- draft-token KV slots
+spec_kernels::IndexTensor index_tensor(const at::Tensor& t, const char* name, const at::Device& device, int dim) {
+  TORCH_CHECK(t.device() == device, name, " must be on ", device, " like req_to_token, got ", t.device());
+  TORCH_CHECK(t.dim() == dim, name, " must be ", dim, "-D, got shape ", t.sizes());
+  TORCH_CHECK(t.scalar_type() == at::kInt || t.scalar_type() == at::kLong, name, " must be int32 or int64, got ",
+              t.scalar_type());
+  TORCH_CHECK(t.is_contiguous(), name, " must be contiguous");
+  return {t.data_ptr(), t.scalar_type() == at::kLong};
+}
+
+spec_kernels::KvSlotBatch kv_slot_batch(const at::Tensor& req_to_token, const at::Tensor& req_pool_indices,
+                                        const at::Tensor& seq_lens, const at::Tensor& num_draft,
+                                        const at::Tensor& free_pages, const at::Tensor& num_free, int64_t page_size,
+                                        int64_t max_draft, const at::Tensor& status) {
+  TORCH_CHECK(req_to_token.is_cuda(), "req_to_token must be a CUDA tensor, got device ", req_to_token.device());
+  const at::Device dev = req_to_token.device();
+  spec_kernels::KvSlotBatch b{};
+  b.req_to_token = index_tensor(req_to_token, "req_to_token", dev, 2);
+  b.num_rows = req_to_token.size(0);
+  b.max_context = req_to_token.size(1);
+  TORCH_CHECK(b.num_rows < INT32_MAX && b.max_context < INT32_MAX, "req_to_token must have < 2^31 rows and columns");
+  b.req_pool_indices = index_tensor(req_pool_indices, "req_pool_indices", dev, 1);
+  const int64_t B = req_pool_indices.numel();
+  TORCH_CHECK(B < (int64_t{1} << 24), "at most 2^24 requests, got ", B);
+  b.seq_lens = index_tensor(seq_lens, "seq_lens", dev, 1);
+  b.num_draft = index_tensor(num_draft, "num_draft", dev, 1);
+  TORCH_CHECK(seq_lens.numel() == B && num_draft.numel() == B, "seq_lens and num_draft must have ", B,
+              " entries like req_pool_indices, got ", seq_lens.numel(), " and ", num_draft.numel());
+  b.num_requests = static_cast<int>(B);
+  check_cuda_vector(free_pages, "free_pages", at::kLong);
+  TORCH_CHECK(free_pages.device() == dev, "free_pages must be on ", dev, ", got ", free_pages.device());
+  TORCH_CHECK(free_pages.numel() < INT32_MAX, "free_pages must have < 2^31 entries");
+  b.free_pages = free_pages.data_ptr<int64_t>();
+  b.num_pages = free_pages.numel();
+  check_cuda_vector(num_free, "num_free", at::kLong);
+  TORCH_CHECK(num_free.device() == dev && num_free.numel() == 1, "num_free must be one int64 on ", dev);
+  b.num_free = num_free.data_ptr<int64_t>();
+  TORCH_CHECK(page_size >= 1 && page_size <= (1 << 20) && (page_size & (page_size - 1)) == 0,
+              "page_size must be a power of two in [1, 2^20], got ", page_size);
+  b.log2_page_size = __builtin_ctzll(static_cast<uint64_t>(page_size));
+  TORCH_CHECK(max_draft >= 1 && max_draft <= spec_kernels::kMaxDraftTokens, "max_draft must be in [1, ",
+              spec_kernels::kMaxDraftTokens, "], got ", max_draft);
+  b.max_draft = static_cast<int>(max_draft);
+  check_cuda_vector(status, "status", at::kLong);
+  TORCH_CHECK(status.device() == dev && status.numel() == spec_kernels::kKvSlotsStatusLen, "status must be int64 [",
+              spec_kernels::kKvSlotsStatusLen, "] on ", dev);
+  b.status = status.data_ptr<int64_t>();
+  return b;
+}
+
+void alloc_draft_slots(at::Tensor& req_to_token, const at::Tensor& req_pool_indices, const at::Tensor& seq_lens,
+                       const at::Tensor& num_draft, at::Tensor& free_pages, at::Tensor& num_free, int64_t page_size,
+                       int64_t max_draft, at::Tensor& out_cache_loc, at::Tensor& status) {
+  const auto batch = kv_slot_batch(req_to_token, req_pool_indices, seq_lens, num_draft, free_pages, num_free,
+                                   page_size, max_draft, status);
+  check_cuda_vector(out_cache_loc, "out_cache_loc", at::kLong);
+  TORCH_CHECK(out_cache_loc.device() == req_to_token.device(), "out_cache_loc must be on ", req_to_token.device());
+  const c10::cuda::CUDAGuard guard(req_to_token.device());
+  check_launch(spec_kernels::launch_alloc_draft_slots(batch, out_cache_loc.data_ptr<int64_t>(), out_cache_loc.numel(),
+                                                      c10::cuda::getCurrentCUDAStream().stream()),
+               "alloc_draft_slots");
+}
+
+void commit_draft_slots(at::Tensor& req_to_token, const at::Tensor& req_pool_indices, const at::Tensor& seq_lens,
+                        const at::Tensor& num_draft, const at::Tensor& accept_index, const at::Tensor& accept_len,
+                        at::Tensor& free_pages, at::Tensor& num_free, int64_t page_size, int64_t max_draft,
+                        const std::optional<at::Tensor>& kv_table, int64_t kv_rows, int64_t kv_unit_bytes,
+                        int64_t kv_blocks_per_request, at::Tensor& new_seq_lens, at::Tensor& status) {
+  const auto batch = kv_slot_batch(req_to_token, req_pool_indices, seq_lens, num_draft, free_pages, num_free,
+                                   page_size, max_draft, status);
+  const at::Device dev = req_to_token.device();
+  spec_kernels::KvCommitArgs args{};
+  args.accept_index = index_tensor(accept_index, "accept_index", dev, 2);
+  TORCH_CHECK(accept_index.size(0) == batch.num_requests && accept_index.size(1) <= spec_kernels::kMaxDraftTokens,
+              "accept_index must have shape (", batch.num_requests, ", A) with A <= ", spec_kernels::kMaxDraftTokens,
+              ", got ", accept_index.sizes());
+  args.accept_width = accept_index.size(1);
+  args.accept_len = index_tensor(accept_len, "accept_len", dev, 1);
+  TORCH_CHECK(accept_len.numel() == batch.num_requests, "accept_len must have ", batch.num_requests, " entries");
+  args.new_seq_lens = index_tensor(new_seq_lens, "new_seq_lens", dev, 1);
+  TORCH_CHECK(new_seq_lens.numel() == batch.num_requests && new_seq_lens.scalar_type() == seq_lens.scalar_type(),
+              "new_seq_lens must be like seq_lens");
+  if (kv_table.has_value()) {
+    const at::Tensor& t = *kv_table;
+    TORCH_CHECK(t.device() == dev && t.scalar_type() == at::kLong && t.dim() == 2 && t.size(0) == 3 &&
+                    t.size(1) >= 1 && t.is_contiguous(),
+                "kv_table must be a contiguous int64 [3, num_buffers] on ", dev, ", got ", t.sizes());
+    TORCH_CHECK(kv_rows >= 1, "kv_rows must be >= 1, got ", kv_rows);
+    TORCH_CHECK(kv_unit_bytes >= 1 && kv_unit_bytes <= 16 && (kv_unit_bytes & (kv_unit_bytes - 1)) == 0,
+                "kv_unit_bytes must be 1, 2, 4, 8 or 16, got ", kv_unit_bytes);
+    TORCH_CHECK(kv_blocks_per_request >= 1 && kv_blocks_per_request <= 65535,
+                "kv_blocks_per_request must be in [1, 65535], got ", kv_blocks_per_request);
+    args.kv_table = t.data_ptr<int64_t>();
+    args.num_kv_buffers = static_cast<int>(t.size(1));
+    args.num_kv_rows = kv_rows;
+    args.kv_unit_bytes = static_cast<int>(kv_unit_bytes);
+    args.kv_blocks_per_request = static_cast<int>(kv_blocks_per_request);
+  }
+  const c10::cuda::CUDAGuard guard(dev);
+  check_launch(spec_kernels::launch_commit_draft_slots(batch, args, c10::cuda::getCurrentCUDAStream().stream()),
+               "commit_draft_slots");
+}
+
 }  // namespace
 
 TORCH_LIBRARY(spec_kernels_cuda, m) {
@@ -60,6 +275,22 @@ TORCH_LIBRARY(spec_kernels_cuda, m) {
   m.def("compiled_cuda_version() -> int", &compiled_cuda_version);
   m.def("tree_mask_from_parents(Tensor parents, Tensor qo_indptr, Tensor(a!) tree_mask) -> ()");
   m.impl("tree_mask_from_parents", c10::DispatchKey::CUDA, &tree_mask_from_parents);
+  m.def(
+      "tree_verify_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor kv_indptr, Tensor kv_indices, "
+      "Tensor? qo_indptr, Tensor? tree_mask, Tensor(a!) out, Tensor(b!)? lse, Tensor(c!)? o_partial, "
+      "Tensor(d!)? lse_partial, float sm_scale, int num_splits, int min_chunk, int max_rows) -> ()");
+  m.impl("tree_verify_attention", c10::DispatchKey::CUDA, &tree_verify_attention);
+  m.def(
+      "alloc_draft_slots(Tensor(a!) req_to_token, Tensor req_pool_indices, Tensor seq_lens, Tensor num_draft, "
+      "Tensor(b!) free_pages, Tensor(c!) num_free, int page_size, int max_draft, Tensor(d!) out_cache_loc, "
+      "Tensor(e!) status) -> ()");
+  m.impl("alloc_draft_slots", c10::DispatchKey::CUDA, &alloc_draft_slots);
+  m.def(
+      "commit_draft_slots(Tensor(a!) req_to_token, Tensor req_pool_indices, Tensor seq_lens, Tensor num_draft, "
+      "Tensor accept_index, Tensor accept_len, Tensor(b!) free_pages, Tensor(c!) num_free, int page_size, "
+      "int max_draft, Tensor? kv_table, int kv_rows, int kv_unit_bytes, int kv_blocks_per_request, "
+      "Tensor(d!) new_seq_lens, Tensor(e!) status) -> ()");
+  m.impl("commit_draft_slots", c10::DispatchKey::CUDA, &commit_draft_slots);
 }
 
 // `import spec_kernels._C` loads the library above; the module itself is empty.

@@ -6,6 +6,7 @@ shows what this machine will run.
 """
 from ._checks import set_debug_checks
 from .tree_verify import decode_attention, tree_mask_from_parents, tree_verify_attention
+from .kv_slots import alloc_draft_slots, commit_draft_slots
 
 __version__ = "0.1.0"
 
@@ -14,4 +15,6 @@ __all__ = [
     "decode_attention",
     "tree_mask_from_parents",
     "set_debug_checks",
+    "alloc_draft_slots",
+    "commit_draft_slots",
 ]

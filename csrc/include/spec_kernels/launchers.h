@@ -23,4 +23,64 @@ cudaError_t launch_tree_mask_from_parents(const int64_t* parents, const int32_t*
                                           int64_t* tree_mask, int num_requests,
                                           cudaStream_t stream);
 
+// ---------------------------------------------------------------- draft-token KV slots (kv_slots/)
+// Contract, validity rules and status codes: spec_kernels/kv_slots/reference.py.
+
+// A device vector of int32 or int64 values (the kernels read and write it as int64).
+struct IndexTensor {
+  void* data;
+  bool is_int64;
+};
+
+// status[0]; status = [code, pages needed/released, num_free before, first bad request or -1, tokens].
+enum KvSlotStatus : int {
+  kKvSlotsOk = 0,
+  kKvSlotsOutOfPages = 1,
+  kKvSlotsBadRequest = 2,
+  kKvSlotsBadStack = 3,
+  kKvSlotsOutTooSmall = 4,
+};
+constexpr int kKvSlotsStatusLen = 5;
+
+// The batch and the allocator state, shared by alloc and commit.
+struct KvSlotBatch {
+  IndexTensor req_to_token;  // [num_rows, max_context], contiguous
+  int64_t num_rows;
+  int64_t max_context;
+  IndexTensor req_pool_indices;  // [num_requests]
+  IndexTensor seq_lens;          // [num_requests]
+  IndexTensor num_draft;         // [num_requests]
+  int num_requests;
+  int64_t* free_pages;  // [num_pages]: stack of free page ids; its length is the pool's page count
+  int64_t num_pages;
+  int64_t* num_free;  // [1]
+  int log2_page_size;
+  int max_draft;    // 1..kMaxDraftTokens
+  int64_t* status;  // [kKvSlotsStatusLen]
+};
+
+// Positions seq_len .. seq_len + num_draft - 1 of every request get slots (its partial last page
+// first, then pages popped from the stack); out_cache_loc [out_capacity] gets them in batch
+// order, -1 beyond. One launch; validates everything before writing anything.
+cudaError_t launch_alloc_draft_slots(const KvSlotBatch& batch, int64_t* out_cache_loc, int64_t out_capacity,
+                                     cudaStream_t stream);
+
+struct KvCommitArgs {
+  IndexTensor accept_index;  // [num_requests, accept_width], -1 padded
+  int64_t accept_width;
+  IndexTensor accept_len;    // [num_requests]
+  IndexTensor new_seq_lens;  // [num_requests], written
+  // KV buffers whose rows move when page_size > 1 (kv_table == nullptr: none; paths must be
+  // prefixes): int64 [3, num_kv_buffers] = (base address, row stride bytes, row bytes).
+  const int64_t* kv_table;
+  int num_kv_buffers;
+  int64_t num_kv_rows;  // rows (slots) of every KV buffer
+  int kv_unit_bytes;    // 1, 2, 4, 8 or 16; divides every address, stride and row size
+  int kv_blocks_per_request;
+};
+
+// Keeps each request's accepted path (page_size 1: remaps req_to_token; > 1: moves KV rows)
+// and pushes every other draft slot / wholly freed page. One launch.
+cudaError_t launch_commit_draft_slots(const KvSlotBatch& batch, const KvCommitArgs& args, cudaStream_t stream);
+
 }  // namespace spec_kernels

@@ -1,0 +1,481 @@
+// Draft-token KV slot allocation and commit: one launch each, no host synchronisation.
+//
+// The contract (model, validity rules, status codes and their precedence) is
+// spec_kernels/kv_slots/reference.py; these kernels implement exactly that.
+//
+// The bookkeeping runs in ONE block: it validates the whole batch and totals what it needs before
+// it changes anything (a refused call only writes the status), and every request's offset into the
+// free-page stack and out_cache_loc is a block-wide prefix sum. Requests are taken in tiles of
+// kThreads; inside a tile a group of G = min(32, next_pow2(max_draft)) lanes handles one request,
+// each lane at most kItems draft tokens. For commit with page_size > 1 and KV buffers, blocks
+// (1 + b, y) move request b's accepted KV rows in buffers y, y + gridDim.y, ...; they validate
+// their own request and never touch what the bookkeeping block reads or writes.
+#include <cub/block/block_reduce.cuh>
+#include <cub/block/block_scan.cuh>
+
+#include <climits>
+
+#include "spec_kernels/launchers.h"
+
+namespace spec_kernels {
+namespace {
+
+constexpr int kThreads = 1024;
+constexpr int kWarps = kThreads / 32;
+constexpr int kItems = kMaxDraftTokens / 32;  // draft tokens per lane (G >= max_draft / 2)
+constexpr int kCopyUnroll = 4;
+
+__device__ __forceinline__ int64_t load_index(const IndexTensor& t, int64_t i) {
+  return t.is_int64 ? static_cast<const int64_t*>(t.data)[i] : static_cast<const int32_t*>(t.data)[i];
+}
+
+__device__ __forceinline__ void store_index(const IndexTensor& t, int64_t i, int64_t v) {
+  if (t.is_int64) {
+    static_cast<int64_t*>(t.data)[i] = v;
+  } else {
+    static_cast<int32_t*>(t.data)[i] = static_cast<int32_t>(v);
+  }
+}
+
+__device__ __forceinline__ int64_t roundup(int64_t x, int log2p) {
+  return ((x + (int64_t{1} << log2p) - 1) >> log2p) << log2p;
+}
+
+__device__ __forceinline__ int64_t pages_spanned(int64_t begin, int64_t end, int log2p) {
+  return (roundup(end, log2p) - roundup(begin, log2p)) >> log2p;
+}
+
+// Reductions over a group of G lanes (G a power of two <= 32, groups aligned in the warp).
+// Every lane of the warp must call them.
+__device__ __forceinline__ bool group_all(bool v, int G) {
+  for (int o = G / 2; o > 0; o /= 2) v &= __shfl_xor_sync(0xffffffffu, v, o);
+  return v;
+}
+
+__device__ __forceinline__ uint64_t group_or(uint64_t v, int G) {
+  for (int o = G / 2; o > 0; o /= 2) v |= __shfl_xor_sync(0xffffffffu, v, o);
+  return v;
+}
+
+// The results for one tile of requests (index = request - tile start).
+struct Tile {
+  int32_t row[kThreads];
+  int32_t len[kThreads];
+  int32_t drafts[kThreads];
+  int32_t count[kThreads];      // pages popped (alloc) / pushed (commit; slots if page_size 1),
+                                // replaced by its prefix sum over the batch before apply_tile
+  int32_t tokens[kThreads];     // drafts allocated (alloc) / accepted (commit)
+  int32_t token_off[kThreads];  // alloc: prefix sum of tokens over the batch
+  union {
+    int32_t last_page[kThreads];  // alloc: the partially filled page it continues (if any)
+    uint64_t mask[kThreads];      // commit: bit i set = draft i accepted
+  };
+  bool valid[kThreads];
+};
+
+struct Request {
+  int64_t row, len, drafts;
+  bool ok;  // the scalars are in range: reading row `row`, positions < len + drafts, is safe
+};
+
+__device__ Request load_request(const KvSlotBatch& a, int b) {
+  Request q;
+  q.row = load_index(a.req_pool_indices, b);
+  q.len = load_index(a.seq_lens, b);
+  q.drafts = load_index(a.num_draft, b);
+  q.ok = q.row >= 0 && q.row < a.num_rows && q.len >= 0 && q.drafts >= 0 && q.drafts <= a.max_draft &&
+         q.len <= a.max_context - q.drafts;
+  return q;
+}
+
+__device__ void record(Tile& t, int i, const Request& q, bool ok, int64_t count, int64_t tokens) {
+  t.row[i] = static_cast<int32_t>(q.row);
+  t.len[i] = static_cast<int32_t>(q.len);
+  t.drafts[i] = static_cast<int32_t>(q.drafts);
+  t.valid[i] = ok;
+  t.count[i] = ok ? static_cast<int32_t>(count) : 0;
+  t.tokens[i] = ok ? static_cast<int32_t>(tokens) : 0;
+}
+
+// Group-of-G-lanes geometry of the calling thread.
+struct Groups {
+  int G, lane, id, count;
+  __device__ explicit Groups(int group_size)
+      : G(group_size), lane(threadIdx.x & (group_size - 1)), id(threadIdx.x / group_size),
+        count(kThreads / group_size) {}
+};
+
+// ------------------------------------------------------------------------------------- alloc
+struct AllocOp {
+  KvSlotBatch a;
+  int64_t* out;
+  int64_t out_capacity;
+  int group_size;
+
+  // One thread per request: only scalars and one slot to read.
+  __device__ void analyze_tile(Tile& t, int t0, int len) const {
+    const int i = threadIdx.x;
+    if (i >= len) return;
+    Request q = load_request(a, t0 + i);
+    bool ok = q.ok;
+    int64_t last_page = -1;
+    if (ok && q.drafts > 0 && (q.len & ((1 << a.log2_page_size) - 1))) {
+      last_page = load_index(a.req_to_token, q.row * a.max_context + q.len - 1) >> a.log2_page_size;
+      ok = last_page >= 0 && last_page < a.num_pages;
+    }
+    record(t, i, q, ok, pages_spanned(q.len, q.len + q.drafts, a.log2_page_size), q.drafts);
+    t.last_page[i] = static_cast<int32_t>(last_page);
+  }
+
+  __device__ int totals_code(int64_t pages, int64_t tokens, int64_t top) const {
+    if (tokens > out_capacity) return kKvSlotsOutTooSmall;
+    return pages > top ? kKvSlotsOutOfPages : kKvSlotsOk;
+  }
+
+  // Request b's k-th new page is stack entry top - 1 - (pages taken by requests < b) - k.
+  __device__ void apply_tile(const Tile& t, int t0, int len, int64_t top) const {
+    const Groups g(group_size);
+    const int log2p = a.log2_page_size;
+    for (int i = g.id; i < len; i += g.count) {
+      const int64_t L = t.len[i];
+      const int64_t first_fresh = roundup(L, log2p);  // first position on a page from the stack
+      const int64_t row_base = int64_t{t.row[i]} * a.max_context;
+#pragma unroll
+      for (int m = 0; m < kItems; ++m) {
+        const int d = g.lane + m * g.G;
+        if (d >= t.drafts[i]) break;
+        const int64_t pos = L + d;
+        const int64_t page = pos < first_fresh
+                                 ? int64_t{t.last_page[i]}
+                                 : a.free_pages[top - 1 - t.count[i] - ((pos - first_fresh) >> log2p)];
+        const int64_t slot = (page << log2p) | (pos & ((int64_t{1} << log2p) - 1));
+        store_index(a.req_to_token, row_base + pos, slot);
+        out[t.token_off[i] + d] = slot;
+      }
+    }
+  }
+
+  __device__ void refuse() const { fill_out(0); }
+
+  __device__ void finish(int64_t top, int64_t pages, int64_t tokens) const {
+    fill_out(tokens);
+    if (threadIdx.x == 0) *a.num_free = top - pages;
+  }
+
+  __device__ void fill_out(int64_t from) const {
+    for (int64_t i = from + threadIdx.x; i < out_capacity; i += kThreads) out[i] = -1;
+  }
+};
+
+// ------------------------------------------------------------------------------------ commit
+struct CommitOp {
+  KvSlotBatch a;
+  KvCommitArgs c;
+  int group_size;
+  int64_t slot_bound;  // every draft slot must be below: the pool, and the KV rows when they move
+  bool prefix_only;    // page_size > 1 without KV buffers: accepted paths must be 0..k-1
+
+  // One group of G lanes per request; every lane of the warp must call it (it shuffles).
+  __device__ void analyze_request(Tile& t, int i, int b, int lane, int G, bool active) const {
+    Request q{0, 0, 0, false};
+    int64_t k = 0;
+    if (active) {
+      q = load_request(a, b);
+      k = load_index(c.accept_len, b);
+    }
+    bool ok = q.ok && k >= 0 && k <= q.drafts && k <= c.accept_width;
+    // The path: drafts in range, strictly increasing, then -1 padding.
+    uint64_t mask = 0;
+    for (int64_t j = lane; active && j < c.accept_width; j += G) {
+      const int64_t x = load_index(c.accept_index, b * c.accept_width + j);
+      if (j < k) {
+        const int64_t prev = j > 0 ? load_index(c.accept_index, b * c.accept_width + j - 1) : -1;
+        ok = ok && x >= 0 && x < q.drafts && x > prev && (!prefix_only || x == j);
+        if (x >= 0 && x < kMaxDraftTokens) mask |= uint64_t{1} << x;
+      } else {
+        ok = ok && x == -1;
+      }
+    }
+    // Every draft slot is pushed back or kept (and indexes the KV buffers when rows move).
+    if (q.ok) {
+      const int64_t base = q.row * a.max_context + q.len;
+#pragma unroll
+      for (int m = 0; m < kItems; ++m) {
+        const int d = lane + m * G;
+        if (d < q.drafts) {
+          const int64_t slot = load_index(a.req_to_token, base + d);
+          ok = ok && slot >= 0 && slot < slot_bound;
+        }
+      }
+    }
+    ok = group_all(ok, G);
+    mask = group_or(mask, G);
+    if (active && lane == 0) {
+      const int64_t released = a.log2_page_size == 0 ? q.drafts - k
+                                                     : pages_spanned(q.len + k, q.len + q.drafts, a.log2_page_size);
+      record(t, i, q, ok, released, k);
+      t.mask[i] = mask;
+    }
+  }
+
+  __device__ void analyze_tile(Tile& t, int t0, int len) const {
+    const Groups g(group_size);
+    for (int base = 0; base < len; base += g.count) {  // uniform trip count: the group reductions
+      const int i = base + g.id;
+      analyze_request(t, i, t0 + i, g.lane, g.G, i < len);
+    }
+  }
+
+  __device__ int totals_code(int64_t released, int64_t, int64_t top) const {
+    return top + released > a.num_pages ? kKvSlotsBadStack : kKvSlotsOk;
+  }
+
+  // Request b pushes after the requests before it: stack entries top + count[b] (its offset) + ...
+  __device__ void apply_tile(const Tile& t, int t0, int len, int64_t top) const {
+    const Groups g(group_size);
+    const int log2p = a.log2_page_size;
+    for (int base = 0; base < len; base += g.count) {  // uniform trip count: __syncwarp below
+      const int i = base + g.id;
+      const bool active = i < len;
+      const int64_t L = active ? t.len[i] : 0;
+      const int64_t n = active ? t.drafts[i] : 0;
+      const int64_t k = active ? t.tokens[i] : 0;
+      const int64_t row_base = active ? int64_t{t.row[i]} * a.max_context : 0;
+      const int64_t push_at = top + (active ? t.count[i] : 0);
+      if (log2p == 0) {
+        // Read every draft slot of the request before any is overwritten, then: accepted draft d
+        // goes to position L + (accepted drafts before it), rejected ones are pushed in order.
+        const uint64_t mask = active ? t.mask[i] : 0;
+        int64_t slot[kItems];
+#pragma unroll
+        for (int m = 0; m < kItems; ++m) {
+          const int d = g.lane + m * g.G;
+          slot[m] = d < n ? load_index(a.req_to_token, row_base + L + d) : 0;
+        }
+        __syncwarp();
+#pragma unroll
+        for (int m = 0; m < kItems; ++m) {
+          const int d = g.lane + m * g.G;
+          if (d >= n) continue;
+          const uint64_t below = mask & ((uint64_t{1} << d) - 1);  // d < 64
+          if ((mask >> d) & 1) {
+            store_index(a.req_to_token, row_base + L + __popcll(below), slot[m]);
+          } else {
+            a.free_pages[push_at + d - __popcll(below)] = slot[m];
+          }
+        }
+      } else {
+        // Push the pages lying wholly beyond the new length L + k, in position order.
+        const int64_t first = roundup(L + k, log2p);
+        for (int64_t p = g.lane; active && first + (p << log2p) < L + n; p += g.G) {
+          a.free_pages[push_at + p] = load_index(a.req_to_token, row_base + first + (p << log2p)) >> log2p;
+        }
+      }
+      if (active && g.lane == 0) store_index(c.new_seq_lens, t0 + i, L + k);
+    }
+  }
+
+  __device__ void refuse() const {
+    for (int b = threadIdx.x; b < a.num_requests; b += kThreads) {
+      store_index(c.new_seq_lens, b, load_index(a.seq_lens, b));
+    }
+  }
+
+  __device__ void finish(int64_t top, int64_t released, int64_t) const {
+    if (threadIdx.x == 0) *a.num_free = top + released;
+  }
+};
+
+// ------------------------------------------------------------------------ the bookkeeping block
+struct Totals {
+  int64_t count, tokens;
+  int bad;  // first invalid request, INT_MAX if none
+};
+
+struct CombineTotals {
+  __device__ Totals operator()(const Totals& x, const Totals& y) const {
+    return {x.count + y.count, x.tokens + y.tokens, min(x.bad, y.bad)};
+  }
+};
+
+struct Offsets {
+  int32_t count, tokens;
+};
+
+struct AddOffsets {
+  __device__ Offsets operator()(const Offsets& x, const Offsets& y) const {
+    return {x.count + y.count, x.tokens + y.tokens};
+  }
+};
+
+template <class Op>
+__device__ void keep_books(const Op& op, const KvSlotBatch& a, Tile& tile) {
+  using Reduce = cub::BlockReduce<Totals, kThreads>;
+  using Scan = cub::BlockScan<Offsets, kThreads, cub::BLOCK_SCAN_WARP_SCANS>;
+  __shared__ union {
+    typename Reduce::TempStorage reduce;
+    typename Scan::TempStorage scan;
+  } tmp;
+  __shared__ Totals batch;
+  __shared__ int code;
+  const int B = a.num_requests;
+  const int64_t top = *a.num_free;
+
+  // Pass 1: validate every request and total what the batch needs, before changing anything.
+  Totals mine{0, 0, INT_MAX};
+  for (int t0 = 0; t0 < B; t0 += kThreads) {
+    const int len = min(kThreads, B - t0);
+    op.analyze_tile(tile, t0, len);
+    __syncthreads();
+    const int i = threadIdx.x;
+    if (i < len) {
+      mine.count += tile.count[i];
+      mine.tokens += tile.tokens[i];
+      if (!tile.valid[i]) mine.bad = min(mine.bad, t0 + i);
+    }
+    __syncthreads();
+  }
+  Totals total = Reduce(tmp.reduce).Reduce(mine, CombineTotals());
+  if (threadIdx.x == 0) {
+    const bool found = total.bad != INT_MAX;
+    if (found) total.count = total.tokens = 0;
+    int verdict = found ? kKvSlotsBadRequest : op.totals_code(total.count, total.tokens, top);
+    if (top < 0 || top > a.num_pages) verdict = kKvSlotsBadStack;
+    a.status[0] = verdict;
+    a.status[1] = total.count;
+    a.status[2] = top;
+    a.status[3] = found ? total.bad : -1;
+    a.status[4] = total.tokens;
+    batch = total;
+    code = verdict;
+  }
+  __syncthreads();
+  if (code != kKvSlotsOk) {
+    op.refuse();
+    return;
+  }
+
+  // Pass 2: offsets (running prefix sums over the batch), then the writes.
+  Offsets carry{0, 0};
+  for (int t0 = 0; t0 < B; t0 += kThreads) {
+    const int len = min(kThreads, B - t0);
+    if (B > kThreads) {  // else the tile of pass 1 is still here
+      op.analyze_tile(tile, t0, len);
+      __syncthreads();
+    }
+    const int i = threadIdx.x;
+    const Offsets v = i < len ? Offsets{tile.count[i], tile.tokens[i]} : Offsets{0, 0};
+    Offsets before, tile_total;
+    Scan(tmp.scan).ExclusiveScan(v, before, Offsets{0, 0}, AddOffsets(), tile_total);
+    if (i < len) {
+      tile.count[i] = carry.count + before.count;
+      tile.token_off[i] = carry.tokens + before.tokens;
+    }
+    __syncthreads();
+    op.apply_tile(tile, t0, len, top);
+    carry = AddOffsets()(carry, tile_total);
+    __syncthreads();  // the tile and the scan storage are reused
+  }
+  op.finish(top, batch.count, batch.tokens);
+}
+
+__global__ void __launch_bounds__(kThreads)
+    alloc_draft_slots_kernel(KvSlotBatch a, int64_t* out, int64_t out_capacity, int group_size) {
+  __shared__ Tile tile;
+  keep_books(AllocOp{a, out, out_capacity, group_size}, a, tile);
+}
+
+// ------------------------------------------------------------------------------ KV row moves
+// Accepted draft path[j] moves to position L + j, in path order: path[j] >= j, so row j is
+// only overwritten after every step that reads it. A lane owns the same units of a buffer in
+// every step, so program order alone keeps each element's read before its overwrite.
+template <typename U>
+__device__ void move_rows(const KvCommitArgs& c, int k, const int64_t* src, const int64_t* dst) {
+  const int warp = threadIdx.x / 32;
+  const int lane = threadIdx.x % 32;
+  const int nb = c.num_kv_buffers;
+  for (int buf = blockIdx.y + gridDim.y * warp; buf < nb; buf += gridDim.y * kWarps) {
+    U* rows = reinterpret_cast<U*>(c.kv_table[buf]);
+    const int64_t stride = c.kv_table[nb + buf] / static_cast<int64_t>(sizeof(U));
+    const int64_t units = c.kv_table[2 * nb + buf] / static_cast<int64_t>(sizeof(U));
+    for (int j = 0; j < k; ++j) {
+      if (src[j] == dst[j]) continue;
+      const U* from = rows + src[j] * stride;
+      U* to = rows + dst[j] * stride;
+      for (int64_t c0 = lane; c0 < units; c0 += 32 * kCopyUnroll) {
+        U v[kCopyUnroll];
+#pragma unroll
+        for (int u = 0; u < kCopyUnroll; ++u) {
+          if (c0 + 32 * u < units) v[u] = from[c0 + 32 * u];
+        }
+#pragma unroll
+        for (int u = 0; u < kCopyUnroll; ++u) {
+          if (c0 + 32 * u < units) to[c0 + 32 * u] = v[u];
+        }
+      }
+    }
+  }
+}
+
+__device__ void move_kv_rows(const CommitOp& op, Tile& tile, int b) {
+  __shared__ int64_t src[kMaxDraftTokens], dst[kMaxDraftTokens];
+  if (threadIdx.x < 32) op.analyze_request(tile, 0, b, threadIdx.x, 32, true);
+  __syncthreads();
+  const int k = tile.valid[0] ? tile.tokens[0] : 0;
+  const uint64_t prefix = k == kMaxDraftTokens ? ~uint64_t{0} : (uint64_t{1} << k) - 1;
+  if (k == 0 || tile.mask[0] == prefix) return;  // refused, or nothing moves
+  const KvCommitArgs& c = op.c;
+  const int64_t base = int64_t{tile.row[0]} * op.a.max_context + tile.len[0];
+  if (threadIdx.x < k) {
+    const int64_t from = load_index(c.accept_index, b * c.accept_width + threadIdx.x);
+    src[threadIdx.x] = load_index(op.a.req_to_token, base + from);
+    dst[threadIdx.x] = load_index(op.a.req_to_token, base + threadIdx.x);
+  }
+  __syncthreads();
+  switch (c.kv_unit_bytes) {
+    case 16: move_rows<uint4>(c, k, src, dst); break;
+    case 8: move_rows<uint2>(c, k, src, dst); break;
+    case 4: move_rows<uint32_t>(c, k, src, dst); break;
+    case 2: move_rows<uint16_t>(c, k, src, dst); break;
+    default: move_rows<uint8_t>(c, k, src, dst); break;
+  }
+}
+
+__global__ void __launch_bounds__(kThreads)
+    commit_draft_slots_kernel(KvSlotBatch a, KvCommitArgs c, int group_size, int64_t slot_bound, bool prefix_only) {
+  __shared__ Tile tile;
+  const CommitOp op{a, c, group_size, slot_bound, prefix_only};
+  if (blockIdx.x > 0) {
+    move_kv_rows(op, tile, blockIdx.x - 1);
+  } else if (blockIdx.y == 0) {
+    keep_books(op, a, tile);
+  }
+}
+
+int group_size_for(int max_draft) {
+  int g = 1;
+  while (g < max_draft && g < 32) g *= 2;
+  return g;
+}
+
+}  // namespace
+
+cudaError_t launch_alloc_draft_slots(const KvSlotBatch& batch, int64_t* out_cache_loc, int64_t out_capacity,
+                                     cudaStream_t stream) {
+  alloc_draft_slots_kernel<<<1, kThreads, 0, stream>>>(batch, out_cache_loc, out_capacity,
+                                                       group_size_for(batch.max_draft));
+  return cudaGetLastError();
+}
+
+cudaError_t launch_commit_draft_slots(const KvSlotBatch& batch, const KvCommitArgs& args, cudaStream_t stream) {
+  const bool moves = batch.log2_page_size > 0 && args.kv_table != nullptr && batch.num_requests > 0;
+  const int64_t pool_slots = batch.num_pages << batch.log2_page_size;
+  const int64_t slot_bound = moves && args.num_kv_rows < pool_slots ? args.num_kv_rows : pool_slots;
+  const bool prefix_only = batch.log2_page_size > 0 && !moves;
+  const dim3 grid(moves ? 1 + batch.num_requests : 1, moves ? args.kv_blocks_per_request : 1);
+  commit_draft_slots_kernel<<<grid, kThreads, 0, stream>>>(batch, args, group_size_for(batch.max_draft),
+                                                           slot_bound, prefix_only);
+  return cudaGetLastError();
+}
+
+}  // namespace spec_kernels

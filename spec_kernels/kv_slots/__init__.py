@@ -1,0 +1,5 @@
+"""Draft-token KV slot allocation and commit: api.py (custom ops, checks), reference.py (the
+model and PyTorch oracle), triton_kernel.py (Triton kernels); the CUDA kernels are in csrc/kv_slots/."""
+from .api import alloc_draft_slots, commit_draft_slots
+
+__all__ = ["alloc_draft_slots", "commit_draft_slots"]

@@ -1,0 +1,240 @@
+"""Readable PyTorch reference of the draft-token KV slot ops: the oracle the kernels are tested
+against, and the definition of which inputs are valid (`alloc_problem`, `commit_problem`).
+
+The model (SGLang's token-slot layout): slots 0..S-1 form pages of P = page_size consecutive
+slots; ``req_to_token[r, pos]`` is the slot of position pos of request row r, and a position
+always sits at offset ``pos % P`` of its page. Free pages are a stack ``free_pages[:num_free]``
+whose capacity ``free_pages.numel()`` is the number of pages in the pool (page ids lie in
+[0, capacity)). The page holding position seq_len-1 of a request, when not full, belongs to it.
+
+Everything here reads the tensors' values on the host (it syncs with a GPU); it is written to
+be obviously right, not fast.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional, Sequence
+
+import torch
+
+MAX_DRAFT_TOKENS = 64  # an accepted path is one 64-bit mask of draft indices
+
+# status[0] codes, shared with the Triton and CUDA kernels (csrc/include/spec_kernels/launchers.h).
+STATUS_OK = 0
+STATUS_OUT_OF_PAGES = 1  # alloc: the stack cannot serve the whole batch
+STATUS_BAD_REQUEST = 2  # a request's values are invalid; status[3] is the first such request
+STATUS_BAD_STACK = 3  # num_free is out of range, or a commit would overflow the stack
+STATUS_OUT_TOO_SMALL = 4  # alloc: out_cache_loc has fewer entries than sum(num_draft)
+STATUS_LEN = 5  # [code, pages needed/released, num_free before, first bad request or -1, tokens]
+
+
+@dataclass
+class Verdict:
+    """What a call will do, as its status tensor reports it.
+
+    code is STATUS_OK or why nothing may change; request is the first invalid request (or -1,
+    whatever the code); pages (needed by alloc / released by commit) and tokens (allocated /
+    accepted) are batch totals, 0 when a request is invalid; message explains a failure."""
+
+    code: int
+    pages: int
+    top: int
+    request: int
+    tokens: int
+    message: str = ""
+
+    def as_list(self) -> list[int]:
+        return [self.code, self.pages, self.top, self.request, self.tokens]
+
+
+def _roundup(x: int, page_size: int) -> int:
+    return -(-x // page_size) * page_size
+
+
+def pages_spanned(begin: int, end: int, page_size: int) -> int:
+    """Pages a request holding positions [0, end) needs beyond those holding [0, begin)."""
+    return (_roundup(end, page_size) - _roundup(begin, page_size)) // page_size
+
+
+def _request_problem(b, r, L, n, rows, max_context, max_draft) -> Optional[str]:
+    if not 0 <= r < rows:
+        return f"req_pool_indices[{b}] = {r} is not a row of req_to_token (0..{rows - 1})"
+    if L < 0:
+        return f"seq_lens[{b}] = {L} is negative"
+    if not 0 <= n <= max_draft:
+        return f"num_draft[{b}] = {n} must be in [0, max_draft={max_draft}]"
+    if L + n > max_context:
+        return (f"seq_lens[{b}] + num_draft[{b}] = {L + n} exceeds the context of req_to_token "
+                f"({max_context} positions)")
+    return None
+
+
+def _verdict(top: int, capacity: int, bad: Optional[tuple[int, str]], pages: int, tokens: int,
+             totals_problem: Optional[tuple[int, str]]) -> Verdict:
+    """Precedence shared with the kernels: num_free out of range, then the first invalid request,
+    then the batch totals (out_cache_loc size, free pages, stack capacity)."""
+    request = bad[0] if bad else -1
+    if bad:
+        pages = tokens = 0
+    if not 0 <= top <= capacity:
+        return Verdict(STATUS_BAD_STACK, pages, top, request, tokens,
+                       f"num_free = {top} must be in [0, free_pages.numel()={capacity}]")
+    if bad:
+        return Verdict(STATUS_BAD_REQUEST, pages, top, request, tokens, bad[1])
+    if totals_problem:
+        return Verdict(totals_problem[0], pages, top, request, tokens, totals_problem[1])
+    return Verdict(STATUS_OK, pages, top, request, tokens)
+
+
+def alloc_verdict(req_to_token, req_pool_indices, seq_lens, num_draft, free_pages, num_free,
+                  page_size: int, max_draft: int, out_capacity: int) -> Verdict:
+    """Whether alloc_draft_slots may run on these values, and the totals it reports."""
+    capacity = free_pages.numel()
+    rows, max_context = req_to_token.shape
+    bad, pages, tokens = None, 0, 0
+    for b, (r, L, n) in enumerate(zip(req_pool_indices.tolist(), seq_lens.tolist(), num_draft.tolist())):
+        why = _request_problem(b, r, L, n, rows, max_context, max_draft)
+        if why is None and n > 0 and L % page_size:
+            last = int(req_to_token[r, L - 1])
+            if not 0 <= last // page_size < capacity:
+                why = (f"req_to_token[{r}, {L - 1}] = {last} (the last slot of request {b}) is not in a "
+                       f"page of the pool (page ids 0..{capacity - 1})")
+        if why:
+            bad = (b, why)
+            break
+        pages += pages_spanned(L, L + n, page_size)
+        tokens += n
+    top = int(num_free.item())
+    totals_problem = None
+    if tokens > out_capacity:
+        totals_problem = (STATUS_OUT_TOO_SMALL, f"total_draft = {out_capacity} is less than sum(num_draft) = {tokens}")
+    elif pages > top:
+        totals_problem = (STATUS_OUT_OF_PAGES,
+                          f"out of KV pages: the batch needs {pages} pages of {page_size} slots, {top} are free")
+    return _verdict(top, capacity, bad, pages, tokens, totals_problem)
+
+
+def commit_verdict(req_to_token, req_pool_indices, seq_lens, num_draft, accept_index, accept_len,
+                   free_pages, num_free, page_size: int, max_draft: int,
+                   kv_buffers: Sequence[torch.Tensor]) -> Verdict:
+    """Whether commit_draft_slots may run on these values, and the totals it reports."""
+    capacity = free_pages.numel()
+    rows, max_context = req_to_token.shape
+    width = accept_index.shape[1]
+    moves_kv = page_size > 1 and len(kv_buffers) > 0
+    # Every draft slot is pushed back or kept; with moves it also indexes the KV buffers.
+    slot_bound = min(capacity * page_size, kv_buffers[0].shape[0]) if moves_kv else capacity * page_size
+    bad, released, accepted = None, 0, 0
+    for b, (r, L, n, k, path) in enumerate(zip(req_pool_indices.tolist(), seq_lens.tolist(), num_draft.tolist(),
+                                               accept_len.tolist(), accept_index.tolist())):
+        why = _request_problem(b, r, L, n, rows, max_context, max_draft)
+        if why is None:
+            why = _path_problem(b, n, k, path, width, page_size > 1 and not moves_kv)
+        if why is None:
+            for i, slot in enumerate(req_to_token[r, L:L + n].tolist()):
+                if not 0 <= slot < slot_bound:
+                    why = (f"req_to_token[{r}, {L + i}] = {slot} (draft {i} of request {b}) is not a slot of "
+                           f"the pool{' and kv_buffers' if moves_kv else ''} (0..{slot_bound - 1})")
+                    break
+        if why:
+            bad = (b, why)
+            break
+        released += (n - k) if page_size == 1 else pages_spanned(L + k, L + n, page_size)
+        accepted += k
+    top = int(num_free.item())
+    totals_problem = None
+    if top + released > capacity:
+        totals_problem = (STATUS_BAD_STACK,
+                          f"the commit releases {released} pages but the stack has room for {capacity - top} "
+                          f"(num_free = {top} of {capacity}): a page would be freed twice")
+    return _verdict(top, capacity, bad, released, accepted, totals_problem)
+
+
+def _path_problem(b, n, k, path, width, prefix_only) -> Optional[str]:
+    if not 0 <= k <= min(n, width):
+        return f"accept_len[{b}] = {k} must be in [0, min(num_draft[{b}]={n}, accept_index.shape[1]={width})]"
+    for j, a in enumerate(path):
+        if j >= k:
+            if a != -1:
+                return f"accept_index[{b}, {j}] = {a} must be -1 (padding beyond accept_len[{b}] = {k})"
+        elif not 0 <= a < n:
+            return f"accept_index[{b}, {j}] = {a} is not a draft of request {b} (0..{n - 1})"
+        elif j > 0 and a <= path[j - 1]:
+            return f"accept_index[{b}] must be increasing, got {path[j - 1]} then {a} at column {j}"
+        elif prefix_only and a != j:
+            return (f"accept_index[{b}, {j}] = {a}: with page_size > 1 and no kv_buffers the accepted "
+                    f"path must be a prefix (0, 1, ..., k-1), since no KV row can be moved")
+    return None
+
+
+# --------------------------------------------------------------------------- the ops
+def alloc_draft_slots(req_to_token, req_pool_indices, seq_lens, num_draft, free_pages, num_free,
+                      page_size: int, max_draft: int, out_cache_loc, status) -> None:
+    """Give positions seq_len_b .. seq_len_b + num_draft_b - 1 of every request a slot.
+
+    A request first fills the free slots of its partially filled last page, then takes pages
+    from the top of the stack (request 0 first). out_cache_loc gets the slots in request order
+    (draft order inside a request) and -1 in entries beyond sum(num_draft). An invalid call
+    changes nothing but out_cache_loc (all -1) and status."""
+    verdict = alloc_verdict(req_to_token, req_pool_indices, seq_lens, num_draft, free_pages, num_free,
+                            page_size, max_draft, out_cache_loc.numel())
+    out_cache_loc.fill_(-1)
+    status.copy_(torch.tensor(verdict.as_list()))
+    if verdict.code != STATUS_OK:
+        return
+    top = verdict.top
+    stack = free_pages.tolist()
+    slots = []
+    for r, L, n in zip(req_pool_indices.tolist(), seq_lens.tolist(), num_draft.tolist()):
+        for pos in range(L, L + n):
+            if pos % page_size == 0:  # a page boundary: take the page on top of the stack
+                page = stack[top - 1]
+                top -= 1
+            elif pos == L:  # continue the request's partially filled last page
+                page = int(req_to_token[r, L - 1]) // page_size
+            slot = page * page_size + pos % page_size
+            req_to_token[r, pos] = slot
+            slots.append(slot)
+    out_cache_loc[:len(slots)] = torch.tensor(slots, dtype=torch.int64)
+    num_free.fill_(top)
+
+
+def commit_draft_slots(req_to_token, req_pool_indices, seq_lens, num_draft, accept_index, accept_len,
+                       free_pages, num_free, page_size: int, max_draft: int, kv_buffers: Sequence[torch.Tensor],
+                       new_seq_lens, status) -> None:
+    """Keep the accepted path of every request's drafts and release the rest.
+
+    Afterwards positions seq_len_b .. seq_len_b + accept_len_b - 1 hold the accepted drafts in
+    path order. page_size 1: req_to_token is remapped to the accepted drafts' slots (no KV is
+    copied) and the rejected slots are pushed (request order, draft order). page_size > 1: the
+    accepted draft path[j] moves its KV row to the slot of position seq_len + j in every
+    kv_buffers tensor, in path order (path[j] >= j, so no row is overwritten before it is read),
+    and the pages wholly beyond the new length are pushed. Entries of req_to_token beyond the
+    new lengths are left as they are. An invalid call changes nothing but new_seq_lens
+    (= seq_lens) and status."""
+    verdict = commit_verdict(req_to_token, req_pool_indices, seq_lens, num_draft, accept_index, accept_len,
+                             free_pages, num_free, page_size, max_draft, kv_buffers)
+    status.copy_(torch.tensor(verdict.as_list()))
+    if verdict.code != STATUS_OK:
+        new_seq_lens.copy_(seq_lens)
+        return
+    pushed = []
+    for r, L, n, k, path in zip(req_pool_indices.tolist(), seq_lens.tolist(), num_draft.tolist(),
+                                accept_len.tolist(), accept_index.tolist()):
+        path = path[:k]
+        drafts = req_to_token[r, L:L + n].tolist()  # draft i's slot
+        if page_size == 1:
+            for j, i in enumerate(path):
+                req_to_token[r, L + j] = drafts[i]
+            pushed += [slot for i, slot in enumerate(drafts) if i not in path]
+        else:
+            for j, i in enumerate(path):
+                if i != j:
+                    for buf in kv_buffers:
+                        buf[drafts[j]] = buf[drafts[i]]
+            first_free = _roundup(L + k, page_size)  # first position of the first page to release
+            pushed += [drafts[pos - L] // page_size for pos in range(first_free, L + n, page_size)]
+    top = verdict.top
+    free_pages[top:top + len(pushed)] = torch.tensor(pushed, dtype=torch.int64)
+    num_free.fill_(top + len(pushed))
+    new_seq_lens.copy_(seq_lens + accept_len.to(seq_lens.dtype))

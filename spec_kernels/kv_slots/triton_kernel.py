@@ -1,0 +1,330 @@
+"""Triton draft-token KV slot allocation and commit: one launch each, no host sync.
+
+Program 0 keeps the books for the whole batch. It first validates every request and totals
+what the batch needs (so a failed call changes nothing: it only writes the status), then walks
+the batch in chunks of BLOCK_B requests with a running prefix sum, which gives every request its
+offset into the free-page stack and into out_cache_loc. Integer logic only: results equal the
+reference exactly. For commit with page_size > 1 and KV buffers, programs 1.. move the accepted
+drafts' KV rows (one request and a share of the buffers each); they check their own request
+and touch nothing program 0 reads or writes.
+
+Same rules, codes and precedence as spec_kernels/kv_slots/reference.py (see there).
+"""
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+from .reference import (
+    STATUS_BAD_REQUEST,
+    STATUS_BAD_STACK,
+    STATUS_OK,
+    STATUS_OUT_OF_PAGES,
+    STATUS_OUT_TOO_SMALL,
+)
+
+_OK = tl.constexpr(STATUS_OK)
+_OUT_OF_PAGES = tl.constexpr(STATUS_OUT_OF_PAGES)
+_BAD_REQUEST = tl.constexpr(STATUS_BAD_REQUEST)
+_BAD_STACK = tl.constexpr(STATUS_BAD_STACK)
+_OUT_TOO_SMALL = tl.constexpr(STATUS_OUT_TOO_SMALL)
+
+
+@triton.jit
+def _requests(rows, max_ctx, RPI, SEQ, ND, max_draft, B, start, BLOCK_B: tl.constexpr):
+    """Chunk [start, start + BLOCK_B) of the batch: indices, liveness, (row, length, drafts), and
+    whether those scalars are valid."""
+    b = start + tl.arange(0, BLOCK_B)
+    live = b < B
+    r = tl.load(RPI + b, mask=live, other=0).to(tl.int64)
+    L = tl.load(SEQ + b, mask=live, other=0).to(tl.int64)
+    n = tl.load(ND + b, mask=live, other=0).to(tl.int64)
+    ok = (r >= 0) & (r < rows) & (L >= 0) & (n >= 0) & (n <= max_draft) & (L + n <= max_ctx)
+    return b, live, r, L, n, ok
+
+
+@triton.jit
+def _pages_spanned(begin, end, LOG2P: tl.constexpr):
+    P: tl.constexpr = 1 << LOG2P
+    return ((end + P - 1) >> LOG2P) - ((begin + P - 1) >> LOG2P)
+
+
+@triton.jit
+def _first_bad(bad, b, live, ok, B):
+    return tl.minimum(bad, tl.min(tl.where(live & (ok == 0), b, B), 0))
+
+
+@triton.jit
+def _verdict(STATUS, top, capacity, bad, B, pages, tokens, totals_code):
+    """Write the status (codes and precedence as in reference._verdict); returns the code."""
+    found = bad < B
+    pages = tl.where(found, 0, pages)
+    tokens = tl.where(found, 0, tokens)
+    code = tl.where(found, _BAD_REQUEST, totals_code)
+    code = tl.where((top < 0) | (top > capacity), _BAD_STACK, code)
+    tl.store(STATUS + 0, code.to(tl.int64))
+    tl.store(STATUS + 1, pages.to(tl.int64))
+    tl.store(STATUS + 2, top.to(tl.int64))
+    tl.store(STATUS + 3, tl.where(found, bad, -1).to(tl.int64))
+    tl.store(STATUS + 4, tokens.to(tl.int64))
+    return code
+
+
+# --------------------------------------------------------------------------- alloc
+@triton.jit
+def _alloc_chunk(RTT, stride_rtt, rows, max_ctx, RPI, SEQ, ND, capacity, max_draft, B, start,
+                 LOG2P: tl.constexpr, BLOCK_B: tl.constexpr):
+    b, live, r, L, n, ok = _requests(rows, max_ctx, RPI, SEQ, ND, max_draft, B, start, BLOCK_B)
+    P: tl.constexpr = 1 << LOG2P
+    partial = ok & (n > 0) & ((L & (P - 1)) != 0)  # continues its last, partially filled page
+    last_page = tl.load(RTT + r * stride_rtt + L - 1, mask=live & partial, other=0).to(tl.int64) >> LOG2P
+    ok = ok & ((partial == 0) | ((last_page >= 0) & (last_page < capacity)))
+    need = tl.where(live & ok, _pages_spanned(L, L + n, LOG2P), 0)
+    n = tl.where(live & ok, n, 0)
+    return b, live, r, L, n, ok, last_page, need
+
+
+@triton.jit
+def _alloc_kernel(
+    RTT, stride_rtt, rows, max_ctx, RPI, SEQ, ND, FREE, NUM_FREE, capacity, OUT, out_capacity, STATUS,
+    B, max_draft,
+    LOG2P: tl.constexpr, BLOCK_B: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_OUT: tl.constexpr,
+):
+    P: tl.constexpr = 1 << LOG2P
+    top = tl.load(NUM_FREE)
+    # Pass 1: validate every request and total the pages and tokens, before changing anything.
+    bad = tl.full([], 0, tl.int32) + B  # (B == 1 arrives as a constexpr; loop-carried values need a type)
+    pages = tl.full([], 0, tl.int64)
+    tokens = tl.full([], 0, tl.int64)
+    for start in range(0, B, BLOCK_B):
+        b, live, r, L, n, ok, last_page, need = _alloc_chunk(
+            RTT, stride_rtt, rows, max_ctx, RPI, SEQ, ND, capacity, max_draft, B, start, LOG2P, BLOCK_B)
+        bad = _first_bad(bad, b, live, ok, B)
+        pages += tl.sum(need, 0)
+        tokens += tl.sum(n, 0)
+    totals_code = tl.where(tokens > out_capacity, _OUT_TOO_SMALL, tl.where(pages > top, _OUT_OF_PAGES, _OK))
+    code = _verdict(STATUS, top, capacity, bad, B, pages, tokens, totals_code)
+
+    # out_cache_loc beyond the slots written below (all of it on failure) reads -1.
+    filled = tl.where(code == _OK, tokens, 0)
+    for start in range(0, out_capacity, BLOCK_OUT):
+        offs = start + tl.arange(0, BLOCK_OUT)
+        tl.store(OUT + offs, tl.full([BLOCK_OUT], -1, tl.int64), mask=(offs < out_capacity) & (offs >= filled))
+
+    # Pass 2: the pages of request b are popped after those of requests 0..b-1.
+    if code == _OK:
+        page_carry = tl.full([], 0, tl.int64)
+        token_carry = tl.full([], 0, tl.int64)
+        for start in range(0, B, BLOCK_B):
+            b, live, r, L, n, ok, last_page, need = _alloc_chunk(
+                RTT, stride_rtt, rows, max_ctx, RPI, SEQ, ND, capacity, max_draft, B, start, LOG2P, BLOCK_B)
+            page_off = page_carry + tl.cumsum(need, 0) - need
+            token_off = token_carry + tl.cumsum(n, 0) - n
+            i = tl.arange(0, BLOCK_N)[None, :].to(tl.int64)
+            item = live[:, None] & (i < n[:, None])
+            pos = L[:, None] + i
+            first_fresh = ((L + P - 1) >> LOG2P) << LOG2P  # first position on a page from the stack
+            fresh = pos >= first_fresh[:, None]
+            k = (pos - first_fresh[:, None]) >> LOG2P  # which of the request's new pages
+            page = tl.load(FREE + (top - 1 - page_off[:, None] - k), mask=item & fresh, other=0)
+            page = tl.where(fresh, page, last_page[:, None])
+            slot = (page << LOG2P) + (pos & (P - 1))
+            tl.store(RTT + r[:, None] * stride_rtt + pos, slot, mask=item)
+            tl.store(OUT + token_off[:, None] + i, slot, mask=item)
+            page_carry += tl.sum(need, 0)
+            token_carry += tl.sum(n, 0)
+        tl.store(NUM_FREE, top - pages)
+
+
+# --------------------------------------------------------------------------- commit
+@triton.jit
+def _commit_chunk(
+    RTT, stride_rtt, rows, max_ctx, RPI, SEQ, ND, ACC, stride_acc, width, ACC_LEN, slot_bound, max_draft, B, start,
+    LOG2P: tl.constexpr, PREFIX_ONLY: tl.constexpr,
+    BLOCK_B: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_A: tl.constexpr,
+):
+    """Validate a chunk of requests; also returns each one's accepted-draft bit mask, its draft
+    slots [BLOCK_B, BLOCK_N] and how many pages (slots when P = 1) it releases."""
+    b, live, r, L, n, ok = _requests(rows, max_ctx, RPI, SEQ, ND, max_draft, B, start, BLOCK_B)
+    k = tl.load(ACC_LEN + b, mask=live, other=0).to(tl.int64)
+    ok = ok & (k >= 0) & (k <= n) & (k <= width)
+
+    j = tl.arange(0, BLOCK_A)[None, :].to(tl.int64)
+    in_row = live[:, None] & (j < width)
+    a = tl.load(ACC + b[:, None] * stride_acc + j, mask=in_row, other=-1).to(tl.int64)
+    prev = tl.load(ACC + b[:, None] * stride_acc + j - 1, mask=in_row & (j > 0), other=-1).to(tl.int64)
+    on_path = j < k[:, None]
+    good = tl.where(on_path, (a >= 0) & (a < n[:, None]) & (a > prev), a == -1)
+    if PREFIX_ONLY:
+        good = good & ((on_path == 0) | (a == j))
+    ok = ok & (tl.min(tl.where(in_row, good, 1).to(tl.int32), 1) > 0)
+    one = tl.full([BLOCK_B, BLOCK_A], 1, tl.int64)
+    mask = tl.sum(tl.where(on_path & good, one << tl.where(good, a, 0), 0), 1)  # distinct bits: sum == or
+
+    i = tl.arange(0, BLOCK_N)[None, :].to(tl.int64)
+    is_draft = (live & ok)[:, None] & (i < n[:, None])
+    slots = tl.load(RTT + r[:, None] * stride_rtt + L[:, None] + i, mask=is_draft, other=0).to(tl.int64)
+    ok = ok & (tl.min(tl.where(is_draft, (slots >= 0) & (slots < slot_bound), 1).to(tl.int32), 1) > 0)
+    if LOG2P == 0:
+        released = n - k
+    else:
+        released = _pages_spanned(L + k, L + n, LOG2P)
+    released = tl.where(live & ok, released, 0)
+    k = tl.where(live & ok, k, 0)
+    return b, live, r, L, n, k, ok, mask, slots, released
+
+
+@triton.jit
+def _commit_books(
+    RTT, stride_rtt, rows, max_ctx, RPI, SEQ, ND, ACC, stride_acc, width, ACC_LEN, slot_bound,
+    FREE, NUM_FREE, capacity, NEW_SEQ, STATUS, B, max_draft,
+    LOG2P: tl.constexpr, PREFIX_ONLY: tl.constexpr,
+    BLOCK_B: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_A: tl.constexpr, BLOCK_Q: tl.constexpr,
+):
+    P: tl.constexpr = 1 << LOG2P
+    top = tl.load(NUM_FREE)
+    bad = tl.full([], 0, tl.int32) + B
+    released = tl.full([], 0, tl.int64)
+    accepted = tl.full([], 0, tl.int64)
+    for start in range(0, B, BLOCK_B):
+        b, live, r, L, n, k, ok, mask, slots, rel = _commit_chunk(
+            RTT, stride_rtt, rows, max_ctx, RPI, SEQ, ND, ACC, stride_acc, width, ACC_LEN, slot_bound, max_draft,
+            B, start, LOG2P, PREFIX_ONLY, BLOCK_B, BLOCK_N, BLOCK_A)
+        bad = _first_bad(bad, b, live, ok, B)
+        released += tl.sum(rel, 0)
+        accepted += tl.sum(k, 0)
+    code = _verdict(STATUS, top, capacity, bad, B, released, accepted,
+                    tl.where(top + released > capacity, _BAD_STACK, _OK))
+
+    carry = tl.full([], 0, tl.int64)
+    for start in range(0, B, BLOCK_B):
+        if code == _OK:
+            b, live, r, L, n, k, ok, mask, slots, rel = _commit_chunk(
+                RTT, stride_rtt, rows, max_ctx, RPI, SEQ, ND, ACC, stride_acc, width, ACC_LEN, slot_bound, max_draft,
+                B, start, LOG2P, PREFIX_ONLY, BLOCK_B, BLOCK_N, BLOCK_A)
+            push_at = top + carry + tl.cumsum(rel, 0) - rel  # request b pushes after requests 0..b-1
+            row = r[:, None] * stride_rtt
+            if LOG2P == 0:
+                # Accepted draft i moves to position L + (accepted drafts before it); rejected ones
+                # are pushed in draft order. All slots were read above, before any is overwritten.
+                i = tl.arange(0, BLOCK_N)[None, :].to(tl.int64)
+                is_draft = live[:, None] & (i < n[:, None])
+                keep = is_draft & (((mask[:, None] >> i) & 1) != 0)
+                drop = is_draft & (((mask[:, None] >> i) & 1) == 0)
+                dest = tl.cumsum(keep.to(tl.int64), 1) - 1
+                rank = tl.cumsum(drop.to(tl.int64), 1) - 1
+                tl.debug_barrier()
+                tl.store(RTT + row + L[:, None] + dest, slots, mask=keep)
+                tl.store(FREE + push_at[:, None] + rank, slots, mask=drop)
+            else:
+                q = tl.arange(0, BLOCK_Q)[None, :].to(tl.int64)
+                pos = (((L + k + P - 1) >> LOG2P) << LOG2P)[:, None] + q * P  # first slot of each freed page
+                freed = live[:, None] & (pos < (L + n)[:, None])
+                page = tl.load(RTT + row + pos, mask=freed, other=0).to(tl.int64) >> LOG2P
+                tl.store(FREE + push_at[:, None] + q, page, mask=freed)
+            tl.store(NEW_SEQ + b, L + k, mask=live)
+            carry += tl.sum(rel, 0)
+        else:
+            b = start + tl.arange(0, BLOCK_B)
+            tl.store(NEW_SEQ + b, tl.load(SEQ + b, mask=b < B), mask=b < B)
+    if code == _OK:
+        tl.store(NUM_FREE, top + released)
+
+
+@triton.jit
+def _move_kv_rows(
+    RTT, stride_rtt, rows, max_ctx, RPI, SEQ, ND, ACC, stride_acc, width, ACC_LEN, slot_bound, B, max_draft,
+    KV_TABLE, num_buffers, req, share, num_shares,
+    LOG2P: tl.constexpr, UNIT_BYTES: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_A: tl.constexpr, BLOCK_U: tl.constexpr,
+):
+    """Move the accepted drafts' KV rows of request `req` in buffers share, share + num_shares, ..."""
+    b, live, r, L, n, k, ok, mask, slots, rel = _commit_chunk(
+        RTT, stride_rtt, rows, max_ctx, RPI, SEQ, ND, ACC, stride_acc, width, ACC_LEN, slot_bound, max_draft,
+        B, req, LOG2P, False, 1, BLOCK_N, BLOCK_A)
+    k = tl.sum(k, 0)  # 0 when the request is invalid: nothing moves
+    r = tl.sum(r, 0)
+    L = tl.sum(L, 0)
+    # Path order: draft path[j] >= j, so row j is overwritten only after every read of it.
+    for j in range(0, k):
+        a = tl.load(ACC + req * stride_acc + j).to(tl.int64)
+        if a != j:
+            src = tl.load(RTT + r * stride_rtt + L + a).to(tl.int64)
+            dst = tl.load(RTT + r * stride_rtt + L + j).to(tl.int64)
+            for buf in range(share, num_buffers, num_shares):
+                base = tl.load(KV_TABLE + buf)
+                row_stride = tl.load(KV_TABLE + num_buffers + buf) // UNIT_BYTES
+                row_units = tl.load(KV_TABLE + 2 * num_buffers + buf) // UNIT_BYTES
+                if UNIT_BYTES == 8:
+                    ptr = base.to(tl.pointer_type(tl.int64))
+                elif UNIT_BYTES == 4:
+                    ptr = base.to(tl.pointer_type(tl.int32))
+                elif UNIT_BYTES == 2:
+                    ptr = base.to(tl.pointer_type(tl.int16))
+                else:
+                    ptr = base.to(tl.pointer_type(tl.int8))
+                for c in range(0, row_units, BLOCK_U):
+                    offs = c + tl.arange(0, BLOCK_U)
+                    x = tl.load(ptr + src * row_stride + offs, mask=offs < row_units)
+                    tl.store(ptr + dst * row_stride + offs, x, mask=offs < row_units)
+        tl.debug_barrier()
+
+
+@triton.jit
+def _commit_kernel(
+    RTT, stride_rtt, rows, max_ctx, RPI, SEQ, ND, ACC, stride_acc, width, ACC_LEN, slot_bound,
+    FREE, NUM_FREE, capacity, NEW_SEQ, STATUS, B, max_draft,
+    KV_TABLE, num_buffers, num_shares,
+    LOG2P: tl.constexpr, PREFIX_ONLY: tl.constexpr, UNIT_BYTES: tl.constexpr,
+    BLOCK_B: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_A: tl.constexpr, BLOCK_Q: tl.constexpr,
+    BLOCK_U: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    if pid == 0:
+        _commit_books(RTT, stride_rtt, rows, max_ctx, RPI, SEQ, ND, ACC, stride_acc, width, ACC_LEN, slot_bound,
+                      FREE, NUM_FREE, capacity, NEW_SEQ, STATUS, B, max_draft,
+                      LOG2P, PREFIX_ONLY, BLOCK_B, BLOCK_N, BLOCK_A, BLOCK_Q)
+    else:
+        _move_kv_rows(RTT, stride_rtt, rows, max_ctx, RPI, SEQ, ND, ACC, stride_acc, width, ACC_LEN, slot_bound,
+                      B, max_draft, KV_TABLE, num_buffers, (pid - 1) // num_shares, (pid - 1) % num_shares,
+                      num_shares, LOG2P, UNIT_BYTES, BLOCK_N, BLOCK_A, BLOCK_U)
+
+
+# --------------------------------------------------------------------------- launchers
+def _chunk(num_requests: int) -> int:
+    return min(triton.next_power_of_2(max(num_requests, 1)), 64)
+
+
+def alloc_draft_slots(req_to_token, req_pool_indices, seq_lens, num_draft, free_pages, num_free,
+                      page_size: int, max_draft: int, out_cache_loc, status) -> None:
+    """Arguments as reference.alloc_draft_slots (already checked for metadata)."""
+    B = req_pool_indices.numel()
+    _alloc_kernel[(1,)](
+        req_to_token, req_to_token.stride(0), req_to_token.shape[0], req_to_token.shape[1],
+        req_pool_indices, seq_lens, num_draft, free_pages, num_free, free_pages.numel(),
+        out_cache_loc, out_cache_loc.numel(), status, B, max_draft,
+        LOG2P=page_size.bit_length() - 1, BLOCK_B=_chunk(B), BLOCK_N=triton.next_power_of_2(max_draft),
+        BLOCK_OUT=256,
+    )
+
+
+def commit_draft_slots(req_to_token, req_pool_indices, seq_lens, num_draft, accept_index, accept_len,
+                       free_pages, num_free, page_size: int, max_draft: int, kv_table, new_seq_lens, status,
+                       num_shares: int = 1) -> None:
+    """Arguments as reference.commit_draft_slots, except the KV buffers: kv_table is the
+    KvTable of api.py (or None); num_shares splits each request's buffers over that many programs."""
+    B = req_pool_indices.numel()
+    log2p = page_size.bit_length() - 1
+    moves = page_size > 1 and kv_table is not None and B > 0
+    capacity = free_pages.numel()
+    slot_bound = min(capacity * page_size, kv_table.num_rows) if moves else capacity * page_size
+    width = accept_index.shape[1]
+    grid = (1 + (B * num_shares if moves else 0),)
+    _commit_kernel[grid](
+        req_to_token, req_to_token.stride(0), req_to_token.shape[0], req_to_token.shape[1],
+        req_pool_indices, seq_lens, num_draft, accept_index, accept_index.stride(0), width, accept_len, slot_bound,
+        free_pages, num_free, capacity, new_seq_lens, status, B, max_draft,
+        kv_table.table if moves else free_pages, kv_table.num_buffers if moves else 0, num_shares,
+        LOG2P=log2p, PREFIX_ONLY=page_size > 1 and not moves, UNIT_BYTES=min(kv_table.unit_bytes, 8) if moves else 1,
+        BLOCK_B=_chunk(B), BLOCK_N=triton.next_power_of_2(max_draft), BLOCK_A=triton.next_power_of_2(max(width, 1)),
+        BLOCK_Q=triton.next_power_of_2(max_draft // page_size + 2), BLOCK_U=128,
+    )
