@@ -6,16 +6,20 @@
 #include <Python.h>
 
 #include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
 #include <torch/library.h>
 
+#include <cmath>
+#include <cstring>
 #include <optional>
 #include <utility>
 #include <vector>
 
 #include "spec_kernels/launchers.h"
 #include "spec_kernels/tree_verify.h"
+#include "spec_kernels/norm_allreduce.h"
 
 namespace {
 
@@ -268,6 +272,190 @@ void commit_draft_slots(at::Tensor& req_to_token, const at::Tensor& req_pool_ind
                "commit_draft_slots");
 }
 
+// ---------------------------------------------------------------- fused add + RMSNorm, allreduce
+spec_kernels::NormDType norm_dtype(const at::Tensor& t, const char* name) {
+  switch (t.scalar_type()) {
+    case at::kHalf: return spec_kernels::NormDType::kFloat16;
+    case at::kBFloat16: return spec_kernels::NormDType::kBFloat16;
+    case at::kFloat: return spec_kernels::NormDType::kFloat32;
+    default: break;
+  }
+  TORCH_CHECK(false, name, " must be float16, bfloat16 or float32, got ", t.scalar_type());
+}
+
+// t: a contiguous CUDA tensor like `like` (same device and shape) of dtype `dtype`.
+void check_like(const at::Tensor& t, const char* name, const at::Tensor& like, at::ScalarType dtype) {
+  TORCH_CHECK(t.is_cuda(), name, " must be a CUDA tensor, got device ", t.device());
+  TORCH_CHECK(t.device() == like.device(), name, " must be on ", like.device(), " like x, got ", t.device());
+  TORCH_CHECK(t.scalar_type() == dtype, name, " must be ", dtype, ", got ", t.scalar_type());
+  TORCH_CHECK(t.sizes() == like.sizes(), name, " must have shape ", like.sizes(), ", got ", t.sizes());
+  TORCH_CHECK(t.is_contiguous(), name, " must be contiguous");
+}
+
+void check_rows(const at::Tensor& x) {
+  TORCH_CHECK(x.is_cuda(), "x must be a CUDA tensor, got device ", x.device());
+  TORCH_CHECK(x.dim() == 2, "x must be 2-D [tokens, hidden], got shape ", x.sizes());
+  TORCH_CHECK(x.is_contiguous(), "x must be contiguous");
+  TORCH_CHECK(x.size(1) >= 1 && x.size(1) <= spec_kernels::kMaxNormHidden,
+              "x must have 1 <= hidden <= ", spec_kernels::kMaxNormHidden, " columns, got ", x.size(1));
+}
+
+void check_weight(const at::Tensor& weight, const at::Tensor& x) {
+  TORCH_CHECK(weight.is_cuda() && weight.device() == x.device(), "weight must be on ", x.device());
+  TORCH_CHECK(weight.dim() == 1 && weight.size(0) == x.size(1), "weight must have shape [", x.size(1),
+              "], got ", weight.sizes());
+  TORCH_CHECK(weight.scalar_type() == x.scalar_type(), "weight must be ", x.scalar_type(), ", got ",
+              weight.scalar_type());
+  TORCH_CHECK(weight.is_contiguous(), "weight must be contiguous");
+}
+
+// 1 / out_scale in fp32 (what every implementation multiplies by), 1 without fp8 output.
+float inv_out_scale(const std::optional<double>& out_scale) {
+  if (!out_scale.has_value()) return 1.f;
+  TORCH_CHECK(std::isfinite(*out_scale) && *out_scale > 0, "out_scale must be finite and > 0, got ", *out_scale);
+  return static_cast<float>(1.0 / *out_scale);
+}
+
+void fused_add_rmsnorm(const at::Tensor& x, const at::Tensor& residual, const at::Tensor& weight,
+                       at::Tensor& out, at::Tensor& residual_out, double eps,
+                       std::optional<double> out_scale) {
+  check_rows(x);
+  const auto dtype = norm_dtype(x, "x");
+  check_like(residual, "residual", x, x.scalar_type());
+  check_weight(weight, x);
+  check_like(out, "out", x, out_scale.has_value() ? at::kFloat8_e4m3fn : x.scalar_type());
+  check_like(residual_out, "residual_out", x, x.scalar_type());
+  TORCH_CHECK(std::isfinite(eps) && eps >= 0, "eps must be finite and >= 0, got ", eps);
+  const float inv_scale = inv_out_scale(out_scale);
+  const c10::cuda::CUDAGuard guard(x.device());
+  check_launch(spec_kernels::launch_fused_add_rmsnorm(
+                   x.data_ptr(), residual.data_ptr(), weight.data_ptr(), out.data_ptr(),
+                   residual_out.data_ptr(), x.size(0), static_cast<int>(x.size(1)), dtype,
+                   out_scale.has_value(), static_cast<float>(eps), inv_scale,
+                   c10::cuda::getCurrentCUDAStream(x.get_device()).stream()),
+               "fused_add_rmsnorm");
+}
+
+// ---- allreduce: buffers (raw device pointers travel as int64) and the call
+namespace ar = spec_kernels::allreduce;
+
+void* as_ptr(int64_t p, const char* name) {
+  TORCH_CHECK(p != 0, name, " is a null pointer");
+  return reinterpret_cast<void*>(static_cast<intptr_t>(p));
+}
+
+void check_buffer_sizes(int64_t world, int64_t max_bytes, int64_t push_bytes) {
+  TORCH_CHECK(world == 2 || world == 4 || world == 8, "world must be 2, 4 or 8, got ", world);
+  TORCH_CHECK(max_bytes > 0 && max_bytes < (int64_t{1} << 28), "max_bytes must be in (0, 2^28), got ", max_bytes);
+  TORCH_CHECK(push_bytes > 0 && push_bytes <= max_bytes, "push_bytes must be in (0, max_bytes], got ", push_bytes);
+}
+
+int64_t allreduce_buffer_bytes(int64_t world, int64_t max_bytes, int64_t push_bytes) {
+  check_buffer_sizes(world, max_bytes, push_bytes);
+  return static_cast<int64_t>(ar::buffer_bytes(static_cast<int>(world), max_bytes, push_bytes));
+}
+
+int64_t allreduce_ipc_alloc(int64_t bytes, int64_t device) {
+  TORCH_CHECK(bytes > 0, "bytes must be > 0, got ", bytes);
+  const c10::cuda::CUDAGuard guard(static_cast<c10::DeviceIndex>(device));
+  void* ptr = nullptr;
+  check_launch(ar::ipc_alloc(static_cast<size_t>(bytes), &ptr), "allreduce_ipc_alloc");
+  return reinterpret_cast<intptr_t>(ptr);
+}
+
+void allreduce_ipc_free(int64_t ptr, int64_t device) {
+  const c10::cuda::CUDAGuard guard(static_cast<c10::DeviceIndex>(device));
+  check_launch(ar::ipc_free(as_ptr(ptr, "ptr")), "allreduce_ipc_free");
+}
+
+at::Tensor allreduce_ipc_handle(int64_t ptr, int64_t device) {
+  const c10::cuda::CUDAGuard guard(static_cast<c10::DeviceIndex>(device));
+  at::Tensor handle = at::empty({64}, at::TensorOptions().dtype(at::kByte));
+  check_launch(ar::ipc_handle(as_ptr(ptr, "ptr"), handle.data_ptr<uint8_t>()), "allreduce_ipc_handle");
+  return handle;
+}
+
+int64_t allreduce_ipc_open(const at::Tensor& handle, int64_t device) {
+  TORCH_CHECK(handle.device().is_cpu() && handle.scalar_type() == at::kByte && handle.numel() == 64 &&
+                  handle.is_contiguous(),
+              "handle must be a contiguous CPU uint8 tensor of 64 bytes (from allreduce_ipc_handle)");
+  const c10::cuda::CUDAGuard guard(static_cast<c10::DeviceIndex>(device));
+  void* ptr = nullptr;
+  check_launch(ar::ipc_open(handle.data_ptr<uint8_t>(), &ptr), "allreduce_ipc_open");
+  return reinterpret_cast<intptr_t>(ptr);
+}
+
+void allreduce_ipc_close(int64_t ptr, int64_t device) {
+  const c10::cuda::CUDAGuard guard(static_cast<c10::DeviceIndex>(device));
+  check_launch(ar::ipc_close(as_ptr(ptr, "ptr")), "allreduce_ipc_close");
+}
+
+void allreduce_init_buffer(int64_t ptr, int64_t world, int64_t max_bytes, int64_t push_bytes, int64_t device) {
+  check_buffer_sizes(world, max_bytes, push_bytes);
+  const c10::cuda::CUDAGuard guard(static_cast<c10::DeviceIndex>(device));
+  check_launch(ar::init_buffer(as_ptr(ptr, "ptr"), static_cast<int>(world), max_bytes, push_bytes,
+                               c10::cuda::getCurrentCUDAStream(static_cast<c10::DeviceIndex>(device)).stream()),
+               "allreduce_init_buffer");
+}
+
+void fused_allreduce(int64_t algorithm, int64_t rank, at::IntArrayRef bases, int64_t max_bytes,
+                     int64_t push_bytes, int64_t num_blocks, const at::Tensor& x,
+                     const std::optional<at::Tensor>& residual, const std::optional<at::Tensor>& weight,
+                     at::Tensor& out, const std::optional<at::Tensor>& residual_out, double eps,
+                     std::optional<double> out_scale, int64_t timeout_ns, int64_t error_word) {
+  const int64_t world = static_cast<int64_t>(bases.size());
+  check_buffer_sizes(world, max_bytes, push_bytes);
+  TORCH_CHECK(algorithm >= ar::kOneShotPush && algorithm <= ar::kTwoShot, "algorithm must be 0 (one-shot push), "
+              "1 (one-shot pull) or 2 (two-shot), got ", algorithm);
+  TORCH_CHECK(rank >= 0 && rank < world, "rank must be in [0, ", world, "), got ", rank);
+  TORCH_CHECK(num_blocks >= 1 && num_blocks <= ar::kMaxBlocks, "num_blocks must be in [1, ", ar::kMaxBlocks,
+              "], got ", num_blocks);
+  TORCH_CHECK(timeout_ns > 0, "timeout_ns must be > 0, got ", timeout_ns);
+  check_rows(x);
+  TORCH_CHECK(x.scalar_type() == at::kHalf || x.scalar_type() == at::kBFloat16,
+              "x must be float16 or bfloat16, got ", x.scalar_type());
+  TORCH_CHECK(x.size(1) % 8 == 0, "x's hidden size must be a multiple of 8 (16-byte rows), got ", x.size(1));
+  const int64_t bytes = x.numel() * x.element_size();
+  TORCH_CHECK(bytes <= max_bytes, "x has ", bytes, " bytes, more than max_bytes=", max_bytes);
+  TORCH_CHECK(algorithm != ar::kOneShotPush || bytes <= push_bytes, "x has ", bytes,
+              " bytes, more than the push path's push_bytes=", push_bytes);
+  const bool fused = residual.has_value();
+  TORCH_CHECK(fused == weight.has_value() && fused == residual_out.has_value(),
+              "residual, weight and residual_out must be given together (fused) or not at all");
+  TORCH_CHECK(fused || !out_scale.has_value(), "out_scale needs the fused epilogue (residual, weight)");
+  if (fused) {
+    check_like(*residual, "residual", x, x.scalar_type());
+    check_weight(*weight, x);
+    check_like(*residual_out, "residual_out", x, x.scalar_type());
+    TORCH_CHECK(std::isfinite(eps) && eps >= 0, "eps must be finite and >= 0, got ", eps);
+  }
+  check_like(out, "out", x, out_scale.has_value() ? at::kFloat8_e4m3fn : x.scalar_type());
+  ar::Call call{};
+  call.algorithm = static_cast<int>(algorithm);
+  call.world = static_cast<int>(world);
+  call.rank = static_cast<int>(rank);
+  for (int64_t r = 0; r < world; ++r) call.bases[r] = as_ptr(bases[r], "bases[r]");
+  call.max_bytes = max_bytes;
+  call.push_bytes = push_bytes;
+  call.num_blocks = static_cast<int>(num_blocks);
+  call.x = x.data_ptr();
+  call.residual = fused ? residual->data_ptr() : nullptr;
+  call.weight = fused ? weight->data_ptr() : nullptr;
+  call.out = out.data_ptr();
+  call.residual_out = fused ? residual_out->data_ptr() : nullptr;
+  call.rows = x.size(0);
+  call.hidden = static_cast<int>(x.size(1));
+  call.dtype = norm_dtype(x, "x");
+  call.fused = fused;
+  call.fp8_out = out_scale.has_value();
+  call.eps = static_cast<float>(eps);
+  call.inv_scale = inv_out_scale(out_scale);
+  call.timeout_ns = static_cast<uint64_t>(timeout_ns);
+  call.error = static_cast<ar::ErrorWord*>(as_ptr(error_word, "error_word"));
+  const c10::cuda::CUDAGuard guard(x.device());
+  check_launch(ar::launch(call, c10::cuda::getCurrentCUDAStream(x.get_device()).stream()), "fused_allreduce");
+}
+
 }  // namespace
 
 TORCH_LIBRARY(spec_kernels_cuda, m) {
@@ -291,6 +479,21 @@ TORCH_LIBRARY(spec_kernels_cuda, m) {
       "int max_draft, Tensor? kv_table, int kv_rows, int kv_unit_bytes, int kv_blocks_per_request, "
       "Tensor(d!) new_seq_lens, Tensor(e!) status) -> ()");
   m.impl("commit_draft_slots", c10::DispatchKey::CUDA, &commit_draft_slots);
+  m.def("fused_add_rmsnorm(Tensor x, Tensor residual, Tensor weight, Tensor(a!) out, Tensor(b!) residual_out, "
+        "float eps, float? out_scale) -> ()");
+  m.impl("fused_add_rmsnorm", c10::DispatchKey::CUDA, &fused_add_rmsnorm);
+  m.def("allreduce_buffer_bytes(int world, int max_bytes, int push_bytes) -> int", &allreduce_buffer_bytes);
+  m.def("allreduce_ipc_alloc(int bytes, int device) -> int", &allreduce_ipc_alloc);
+  m.def("allreduce_ipc_free(int ptr, int device) -> ()", &allreduce_ipc_free);
+  m.def("allreduce_ipc_handle(int ptr, int device) -> Tensor", &allreduce_ipc_handle);
+  m.def("allreduce_ipc_open(Tensor handle, int device) -> int", &allreduce_ipc_open);
+  m.def("allreduce_ipc_close(int ptr, int device) -> ()", &allreduce_ipc_close);
+  m.def("allreduce_init_buffer(int ptr, int world, int max_bytes, int push_bytes, int device) -> ()",
+        &allreduce_init_buffer);
+  m.def("fused_allreduce(int algorithm, int rank, int[] bases, int max_bytes, int push_bytes, int num_blocks, "
+        "Tensor x, Tensor? residual, Tensor? weight, Tensor(a!) out, Tensor(b!)? residual_out, float eps, "
+        "float? out_scale, int timeout_ns, int error_word) -> ()");
+  m.impl("fused_allreduce", c10::DispatchKey::CUDA, &fused_allreduce);
 }
 
 // `import spec_kernels._C` loads the library above; the module itself is empty.

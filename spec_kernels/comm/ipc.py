@@ -1,0 +1,143 @@
+"""CUDA IPC buffers and the custom allreduce kernels behind FusedAllReduce's CUDA algorithms.
+
+Each rank allocates one buffer (cudaMalloc, so its IPC handle covers exactly it) holding the
+flags, a staging and a gather area (two of each, by call parity) and the three rotating push
+slots (csrc/allreduce/fused_allreduce.cu has the layout and the protocols). Handles travel
+through the communicator's process group once; every rank maps every peer's buffer. After
+that a call is one kernel launch with fixed pointers: CUDA-graph capturable.
+
+Failures inside a kernel (a peer that never arrives within timeout_s, a peer sending a different
+message) are written to pinned host memory that the GPU writes directly; the communicator reads
+it at its next call and in synchronize(), without a device sync.
+
+Status: compiled for sm_90a / sm_120a and reviewed, NOT yet run (no GPU here); the torch-side
+ops live in csrc/norm/ops_snippet.cpp.txt until they are merged into csrc/ops.cpp. Until then
+unavailable_reason() says the extension has no kernel and FusedAllReduce uses torch.distributed.
+"""
+from __future__ import annotations
+
+import socket
+import zlib
+from typing import Optional
+
+import torch
+
+from .._ops import cuda_ops, cuda_unavailable_reason, sm_count
+
+PUSH_CAPACITY = 1 << 20  # largest message on the push path: 3 slots x W senders of it per rank
+MAX_BLOCKS = 64  # thread blocks per call (kernel limit 128); the minimum over ranks is used
+ALGORITHM_CODES = {"oneshot_push": 0, "oneshot_pull": 1, "twoshot": 2}
+_ERRORS = {1: "timed out", 2: "size mismatch"}
+
+
+def unavailable_reason(device: torch.device, world_size: int, hidden_size: int, dtype: torch.dtype) -> Optional[str]:
+    """None if the CUDA algorithms can run for this communicator, else why not."""
+    if dtype not in (torch.float16, torch.bfloat16):
+        return f"they take float16/bfloat16 (dtype is {str(dtype).replace('torch.', '')})"
+    if world_size not in (2, 4, 8):
+        return f"they run on 2, 4 or 8 ranks (world size {world_size})"
+    if hidden_size % 8:
+        return f"hidden_size must be a multiple of 8 (16-byte rows), got {hidden_size}"
+    return cuda_unavailable_reason(device, "fused_allreduce")
+
+
+def _handle_to_ints(handle: torch.Tensor) -> list[int]:
+    return handle.view(torch.int64).tolist()
+
+
+def _ints_to_handle(values: list[int]) -> torch.Tensor:
+    return torch.tensor(values, dtype=torch.int64).view(torch.uint8)
+
+
+class IpcBuffers:
+    """This rank's registered buffer and its mappings of the peers' (collective to build)."""
+
+    def __init__(self, comm) -> None:
+        """Allocate, exchange handles (one collective, which every rank reaches even when its
+        local steps failed, so a failure raises on every rank instead of stranding the others),
+        then map the peers' buffers (local: a failure here is agreed on by the caller)."""
+        self._ops = cuda_ops()
+        self.comm = comm
+        self.index = comm.device.index if comm.device.index is not None else torch.cuda.current_device()
+        row = comm.hidden_size * comm.dtype.itemsize
+        self.max_bytes = comm.max_tokens * row
+        self.push_bytes = min(self.max_bytes, max(row, PUSH_CAPACITY // row * row))
+        self.opened: list[int] = []
+        self.base = 0
+        local_error, handle = None, [0] * 8
+        try:
+            size = self._ops.allreduce_buffer_bytes(comm.world_size, self.max_bytes, self.push_bytes)
+            self.base = self._ops.allreduce_ipc_alloc(size, self.index)
+            self._ops.allreduce_init_buffer(self.base, comm.world_size, self.max_bytes, self.push_bytes, self.index)
+            torch.cuda.synchronize(comm.device)
+            handle = _handle_to_ints(self._ops.allreduce_ipc_handle(self.base, self.index))
+        except Exception as exc:  # noqa: BLE001 - reported to every rank below
+            local_error = exc
+        host = zlib.crc32(socket.gethostname().encode())
+        rows = comm._all_gather_ints([int(local_error is None), min(sm_count(self.index), MAX_BLOCKS), host, *handle],
+                                     "the IPC handle exchange")
+        failed = [r for r, row_ in enumerate(rows) if not row_[0]]
+        problem = None
+        if failed:
+            problem = f"allocating or exporting the buffer failed on rank(s) {failed}"
+            problem += f": {local_error}" if local_error else ""
+        if problem is None and len({row_[2] for row_ in rows}) != 1:
+            problem = "the ranks are on different hosts (CUDA IPC works within one host)"
+        if problem is not None:
+            self.close()
+            raise RuntimeError(problem)
+        self.num_blocks = min(row_[1] for row_ in rows)
+        try:
+            self.bases = []
+            for r, row_ in enumerate(rows):
+                if r == comm.rank:
+                    self.bases.append(self.base)
+                else:
+                    self.opened.append(self._ops.allreduce_ipc_open(_ints_to_handle(row_[3:]), self.index))
+                    self.bases.append(self.opened[-1])
+        except Exception:
+            self.close()
+            raise
+        # The GPU writes failures here directly (pinned memory is mapped under UVA).
+        self.error = torch.zeros(8, dtype=torch.int32, pin_memory=True)
+        self.timeout_ns = int(comm.timeout_s * 1e9)
+
+    def limits(self) -> dict[str, int]:
+        """Largest message in bytes per algorithm."""
+        return {"oneshot_push": self.push_bytes, "oneshot_pull": self.max_bytes, "twoshot": self.max_bytes}
+
+    def run(self, algorithm: str, x: torch.Tensor, seq: int, *, out: torch.Tensor,
+            residual: Optional[torch.Tensor] = None, weight: Optional[torch.Tensor] = None, eps: float = 0.0,
+            residual_out: Optional[torch.Tensor] = None, out_scale: Optional[float] = None) -> None:
+        self._ops.fused_allreduce(ALGORITHM_CODES[algorithm], self.comm.rank, self.bases, self.max_bytes,
+                                  self.push_bytes, self.num_blocks, x, residual, weight, out, residual_out,
+                                  float(eps), out_scale, self.timeout_ns, self.error.data_ptr())
+
+    def pending_error(self) -> Optional[str]:
+        """A failure reported by an earlier kernel, as a message (no device sync), or None."""
+        code, seq, rank, peer, block, algo, mine, theirs = self.error.tolist()
+        if code == 0:
+            return None
+        name = {v: k for k, v in ALGORITHM_CODES.items()}.get(algo, f"algorithm#{algo}")
+        where = f"device call #{seq} ({name}, block {block})"
+        if code == 1:
+            return (f"{where}: waited more than timeout_s={self.comm.timeout_s:g} s for rank {peer}; it is dead, "
+                    f"stuck, or not making the same calls")
+        if code == 2:
+            return (f"{where}: ranks disagree on the message: this rank sends {_header(mine)}, rank {peer} "
+                    f"sends {_header(theirs & 0xFFFFFFFF)}")
+        return f"{where}: error code {code}"
+
+    def close(self) -> None:
+        for ptr in self.opened:
+            self._ops.allreduce_ipc_close(ptr, self.index)
+        self.opened = []
+        if self.base:
+            self._ops.allreduce_ipc_free(self.base, self.index)
+            self.base = 0
+
+
+def _header(h: int) -> str:
+    op = ("all_reduce", "all_reduce_add_rmsnorm", "all_reduce_add_rmsnorm (fp8 out)")
+    kind = op[h >> 28] if (h >> 28) < len(op) else f"op#{h >> 28}"
+    return f"{kind} of {h & ((1 << 28) - 1)} bytes"
