@@ -1,0 +1,17 @@
+"""python -m spec_kernels.bench compare OLD.json NEW.json [--threshold 5%]"""
+import argparse
+import sys
+
+from . import compare
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m spec_kernels.bench", description="benchmark result tools")
+    commands = parser.add_subparsers(dest="command", required=True)
+    compare.add_parser(commands)
+    args = parser.parse_args(argv)
+    return args.run(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
