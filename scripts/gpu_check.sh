@@ -8,7 +8,8 @@
 #   nvidia-smi.txt nvidia-smi-q.txt versions.txt git.txt info-before-build.txt   (step env)
 #   build.log                      pip install -e . for the local arch (setup.py fallback)
 #   info.txt                       python -m spec_kernels.info after the build
-#   gpu-tests.xml gpu-tests.log    pytest -m gpu tests/   (every gpu-marked test)
+#   gpu-tests.xml gpu-tests.log    pytest -m gpu tests/   (every gpu-marked kernel test)
+#   gpu-comm.xml gpu-comm.log      pytest -m gpu tests/test_comm.py (ranks sharing one GPU)
 #   memcheck.log                   compute-sanitizer memcheck over scripts/sanitizer_case.py
 #   <name>.json bench-<name>.log   pytest-benchmark of benchmarks/test_<name>.py (each module)
 #   summary.txt                    the summary printed last
@@ -100,8 +101,12 @@ export MAX_JOBS=${MAX_JOBS:-$(nproc)}
 step env          60  390  "$OUT/env.log"          bash -c record_env
 step build       240  200  "$OUT/build.log"        bash -c build_extension
 step info         30  180  "$OUT/info.txt"         "$PY" -m spec_kernels.info
-step gpu-tests   150  150  "$OUT/gpu-tests.log"    "$PY" -m pytest -m gpu tests/ -q -p no:cacheprovider \
-                                                       --junitxml="$OUT/gpu-tests.xml"
+# Kernel tests first; the multi-process communicator tests (ranks sharing the GPU) get their own
+# bounded step so that a slow or hanging rank cannot eat the kernels' time.
+step gpu-tests   150  200  "$OUT/gpu-tests.log"    "$PY" -m pytest -m gpu tests/ -q -p no:cacheprovider \
+                                                       --ignore=tests/test_comm.py --junitxml="$OUT/gpu-tests.xml"
+step gpu-comm     90  150  "$OUT/gpu-comm.log"     "$PY" -m pytest -m gpu tests/test_comm.py -q -p no:cacheprovider \
+                                                       --junitxml="$OUT/gpu-comm.xml"
 # memcheck over one representative case of every CUDA kernel, where the machine has the tool.
 if command -v compute-sanitizer > /dev/null; then
   step memcheck   60  120  "$OUT/memcheck.log"     compute-sanitizer --tool memcheck --error-exitcode 1 \
@@ -126,20 +131,21 @@ summarize() {
   echo "   rc: 0 ok, 1 failures, 5 no tests collected, 124 stopped at its time limit"
   column -t -s $'\t' "$OUT/steps.tsv" 2>/dev/null || cat "$OUT/steps.tsv"
   grep -E "^(GPU 0|CUDA extension)" "$OUT/info.txt" 2>/dev/null || true
-  if [[ -f "$OUT/gpu-tests.xml" ]]; then
-    "$PY" - "$OUT/gpu-tests.xml" <<'EOF' || true
+  for xml in "$OUT/gpu-tests.xml" "$OUT/gpu-comm.xml"; do
+    [[ -f "$xml" ]] || continue
+    "$PY" - "$xml" <<'EOF' || true
 import sys
 import xml.etree.ElementTree as ET
 
 root = ET.parse(sys.argv[1]).getroot()
 suites = [root] if root.tag == "testsuite" else list(root)
 count = {k: sum(int(s.get(k, 0)) for s in suites) for k in ("tests", "failures", "errors", "skipped")}
-print("gpu tests: " + ", ".join(f"{v} {k}" for k, v in count.items()))
+print(f"{sys.argv[1].rsplit('/', 1)[-1]}: " + ", ".join(f"{v} {k}" for k, v in count.items()))
 for case in root.iter("testcase"):
     if case.find("failure") is not None or case.find("error") is not None:
         print(f"  FAILED {case.get('classname')}::{case.get('name')}")
 EOF
-  fi
+  done
   local jsons=("$OUT"/*.json)
   if ((${#jsons[@]})); then
     timeout 60 "$PY" benchmarks/_timing.py "${jsons[@]}" || echo "(benchmark summary failed)"
