@@ -126,6 +126,10 @@ void tree_verify_attention(const at::Tensor& q, const at::Tensor& k_cache, const
     check_shape(*o_partial, "o_partial", {num_splits, T, Hq, D});
     check_shape(*lse_partial, "lse_partial", {num_splits, T, Hq});
   }
+  // cp.async moves 16-byte chunks of q/k/v rows; a view with an odd storage offset would fault.
+  for (const auto& [t, name] : {std::pair{&q, "q"}, {&k_cache, "k_cache"}, {&v_cache, "v_cache"}, {&out, "out"}}) {
+    TORCH_CHECK(reinterpret_cast<uintptr_t>(t->data_ptr()) % 16 == 0, name, " must be 16-byte aligned");
+  }
   TORCH_CHECK(num_splits * T * Hq < (int64_t{1} << 31) && B * Hkv * (Hq / Hkv) * 64 < (int64_t{1} << 31),
               "batch too large for 32-bit grid indexing");
 

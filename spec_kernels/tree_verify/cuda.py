@@ -20,6 +20,8 @@ def supports(q, k_cache, v_cache, *_) -> Optional[str]:
         return f"the CUDA kernel takes float16/bfloat16 (tensor cores), got {q.dtype}"
     if v_cache.shape[2] != q.shape[2]:
         return f"the CUDA kernel needs the V head dim ({v_cache.shape[2]}) equal to Q's ({q.shape[2]})"
+    if q.device.type == "cuda" and any(t.data_ptr() % 16 for t in (q, k_cache, v_cache)):
+        return "the CUDA kernel copies 16-byte chunks: q, k_cache and v_cache must be 16-byte aligned"
     return None
 
 
