@@ -65,8 +65,10 @@ def _extension_or_reason():
 
 ext_and_cmd, reason = _extension_or_reason()
 if ext_and_cmd is None:
-    print(f"spec-kernels: building WITHOUT the CUDA extension ({reason}); "
-          "the Triton and PyTorch reference paths still work.", file=sys.stderr)
+    # pip runs this file for metadata and again to build: say it in the build run only.
+    if any(cmd in sys.argv for cmd in ("build_ext", "bdist_wheel", "editable_wheel", "develop", "install")):
+        print(f"spec-kernels: building WITHOUT the CUDA extension ({reason}); "
+              "the Triton and PyTorch reference paths still work.", file=sys.stderr)
     setup()
 else:
     ext, build_ext = ext_and_cmd

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import functools
 import os
+import warnings
 from dataclasses import dataclass, field
 from typing import Callable, Optional
 
@@ -24,11 +25,15 @@ IMPL_ORDER = ("cuda", "triton", "reference")
 # --------------------------------------------------------------------------- extension
 @functools.lru_cache(maxsize=None)
 def _load_extension() -> Optional[str]:
-    """Import spec_kernels._C once. Returns None on success, else why it is unavailable."""
+    """Import spec_kernels._C once. Returns None on success, else why it is unavailable
+    (and warns once when a GPU is there to use it: the ops then run the Triton kernels)."""
     try:
         from spec_kernels import _C  # noqa: F401  (registers torch.ops.spec_kernels_cuda.*)
     except ImportError as exc:
-        return f"spec_kernels._C is not built or does not load ({exc})"
+        reason = f"spec_kernels._C is not built or does not load ({exc})"
+        if torch.cuda.is_available():
+            warnings.warn(f"spec-kernels: CUDA kernels unavailable, using Triton: {reason}", stacklevel=2)
+        return reason
     return None
 
 
