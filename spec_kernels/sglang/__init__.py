@@ -4,6 +4,8 @@
                 at module level, a no-op without SGLang
     backend.py  SpecFusedAttnBackend (imports SGLang 0.5.23)
     masks.py    SGLang verify masks -> tree_verify_attention's 64-bit ancestor words
+    hooks.py    optional, off by default: TP allreduce + residual + RMSNorm on
+                spec_kernels.comm.FusedAllReduce (SPEC_KERNELS_SGLANG_FUSED_ALLREDUCE)
 
 See docs/sglang.md for the launch command and what is supported.
 """

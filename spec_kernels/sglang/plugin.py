@@ -13,7 +13,11 @@ pyproject.toml as ``specfused = "spec_kernels.sglang.plugin:register"``:
    and its draft-backend factory only knows SGLang's own backends. With the target on
    specfused and no draft backend named, the hook gives the draft flashinfer (on a GPU with
    flashinfer installed) or triton. Set SPEC_KERNELS_SGLANG_DRAFT_HOOK=0 to leave SGLang's
-   choice alone (then pass the flag).
+   choice alone (then pass the flag);
+4. only when SPEC_KERNELS_SGLANG_FUSED_ALLREDUCE is set (off by default): hooks that run the
+   tensor-parallel allreduce + residual add + RMSNorm on spec_kernels.comm.FusedAllReduce
+   (hooks.py). SPEC_KERNELS_SGLANG_DRAFT_SLOTS is recognised but installs nothing (hooks.py and
+   docs/sglang.md say why).
 
 Without SGLang installed, `register` does nothing and returns False. SGLang is imported only
 inside the functions here, so importing this module never requires it.
@@ -82,21 +86,8 @@ def register() -> bool:
 
             # Applied by load_plugins() after all plugins ran (HookRegistry.apply_hooks).
             HookRegistry.register(DRAFT_HOOK_TARGET, _draft_backend_hook, HookType.AROUND)
-    _warn_unavailable_hooks()
+    # Optional hooks, each behind its environment variable; with none set nothing is registered.
+    from . import hooks
+
+    hooks.install_from_env()
     return True
-
-
-# Planned, off-by-default hooks (issue 6, deliverable 4); their ops have not landed in a form
-# the plugin can call yet, so setting them only logs a warning.
-PLANNED_HOOK_ENVS = {
-    "SPEC_KERNELS_SGLANG_FUSED_ALLREDUCE": "tensor-parallel allreduce + residual + RMSNorm via "
-                                           "spec_kernels.comm.FusedAllReduce",
-    "SPEC_KERNELS_SGLANG_DRAFT_SLOTS": "speculative KV-slot allocation via alloc_draft_slots / commit_draft_slots",
-}
-
-
-def _warn_unavailable_hooks() -> None:
-    for env, what in PLANNED_HOOK_ENVS.items():
-        if os.environ.get(env, "0") not in ("", "0"):
-            logger.warning("%s is set, but the %s hook is not implemented in this version of "
-                           "spec_kernels.sglang; SGLang's own path stays in use", env, what)
