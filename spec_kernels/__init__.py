@@ -7,6 +7,7 @@ shows what this machine will run.
 from ._checks import set_debug_checks
 from .tree_verify import decode_attention, tree_mask_from_parents, tree_verify_attention
 from .kv_slots import alloc_draft_slots, commit_draft_slots
+from .mla import mla_decode_attention, mla_tree_verify_attention
 from .norm import fused_add_rmsnorm
 
 __version__ = "0.1.0"
@@ -19,4 +20,6 @@ __all__ = [
     "alloc_draft_slots",
     "commit_draft_slots",
     "fused_add_rmsnorm",
+    "mla_tree_verify_attention",
+    "mla_decode_attention",
 ]

@@ -313,9 +313,10 @@ def test_graph_metadata_capture_then_replay_with_padding(bench):
 
 
 # --------------------------------------------------------------------------- errors
-def test_mla_models_get_a_clear_not_yet(bench):
+def test_mla_model_with_unsupported_latent_dims_is_refused(bench):
+    # The dense bench model has no kv_lora_rank / qk_rope_head_dim: MLA dims the kernels lack.
     bench.runner.use_mla_backend = True
-    with pytest.raises(SpecFusedUnsupported, match="MLA models .* yet"):
+    with pytest.raises(SpecFusedUnsupported, match="kv_lora_rank in .* not implement yet"):
         SpecFusedAttnBackend(bench.runner, prefill_backend=bench.triton)
 
 

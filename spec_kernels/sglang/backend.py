@@ -10,6 +10,15 @@ Who runs what:
   (`prefill_backend`: triton, or flashinfer when installed and on a GPU), so prefill keeps
   its tuned kernels and prefix-cache handling.
 
+MLA models (DeepSeek-V3, Kimi K2.5: `model_runner.use_mla_backend`) take the same routes with
+the MLA ops, `mla_decode_attention` / `mla_tree_verify_attention`, over SGLang's
+MLATokenToKVPool buffer ([slots, 1, kv_lora_rank + qk_rope_head_dim], the value being its
+first kv_lora_rank values). The model hands an unknown backend name like ours the triton
+backend's conventions (`AttentionBackendRegistry.get_handler` falls back to triton's handler):
+queries arrive absorbed, [tokens, H * 576], and k is the 576-wide latent row to cache. The
+split form of SGLang's FlashInfer-MLA interface (q_rope / k_rope keyword arguments) is
+accepted too. For the same reason MLA prefill defaults to SGLang's triton backend.
+
 Metadata is built from the batch's KV-index plan (`KVIndexTranslator.pack_read_stream`,
 the same stream SGLang's own backends read) with device ops only. In eager mode the
 buffers are fresh tensors; after `init_cuda_graph_state` they are static buffers that
@@ -26,6 +35,7 @@ from dataclasses import dataclass
 from typing import Optional
 
 import torch
+from sglang.srt.configs.model_config import is_deepseek_dsa
 from sglang.srt.layers.attention.attention_registry import ATTENTION_BACKENDS
 from sglang.srt.layers.attention.base_attn_backend import AttentionBackend
 from sglang.srt.layers.attention.verify_mask import VerifyMask
@@ -36,6 +46,9 @@ from sglang.srt.runtime_context import get_parallel, get_spec
 from sglang.srt.speculative.eagle_utils import TreeMaskMode
 
 from .. import decode_attention, tree_verify_attention
+from ..mla import mla_decode_attention, mla_tree_verify_attention
+from ..mla.api import LATENT_DIMS as MLA_LATENT_DIMS
+from ..mla.api import ROPE_DIMS as MLA_ROPE_DIMS
 from . import masks
 
 logger = logging.getLogger(__name__)
@@ -61,16 +74,17 @@ class _Metadata:
     num_draft: int  # tokens per request (1 for decode)
 
 
-def extend_backend_name(device: str) -> str:
-    """The SGLang backend that runs prefill: $SPEC_KERNELS_SGLANG_EXTEND_BACKEND, or
-    flashinfer on a GPU when it is installed, else triton."""
+def extend_backend_name(device: str, mla: bool = False) -> str:
+    """The SGLang backend that runs prefill: $SPEC_KERNELS_SGLANG_EXTEND_BACKEND, or for MLA
+    models triton (whose conventions the model follows for our backend name, see the module
+    docstring), else flashinfer on a GPU when it is installed, else triton."""
     name = os.environ.get(EXTEND_BACKEND_ENV, "auto").strip() or "auto"
     if name != "auto":
         if name == BACKEND_NAME or name not in ATTENTION_BACKENDS:
             raise ValueError(f"{EXTEND_BACKEND_ENV}={name!r} must name an SGLang attention backend "
                              f"other than {BACKEND_NAME!r} (e.g. triton, flashinfer)")
         return name
-    if str(device).startswith("cuda") and torch.cuda.is_available():
+    if not mla and str(device).startswith("cuda") and torch.cuda.is_available():
         import importlib.util
 
         if importlib.util.find_spec("flashinfer") is not None:
@@ -81,10 +95,6 @@ def extend_backend_name(device: str) -> str:
 def check_model_supported(model_runner) -> None:
     """Raise SpecFusedUnsupported (or ValueError) naming what this model needs that specfused lacks."""
     hint = "use --attention-backend triton or flashinfer for this model"
-    if getattr(model_runner, "use_mla_backend", False):
-        raise SpecFusedUnsupported(
-            "specfused does not support MLA models (DeepSeek-V3, Kimi K2.5) yet: MLA tree-verify "
-            f"attention is a separate, not yet landed kernel; {hint}")
     if getattr(model_runner, "is_draft_worker", False):
         raise ValueError(
             "specfused serves the target model only; the draft model needs a backend SGLang's draft "
@@ -97,10 +107,13 @@ def check_model_supported(model_runner) -> None:
         raise SpecFusedUnsupported(f"specfused does not support sliding-window attention yet; {hint}")
     if get_parallel().attn_dcp_size > 1:
         raise SpecFusedUnsupported("specfused does not support decode context parallelism (DCP)")
-    head_dim, v_head_dim = cfg.head_dim, getattr(cfg, "v_head_dim", cfg.head_dim)
-    if head_dim not in HEAD_DIMS or v_head_dim not in HEAD_DIMS:
-        raise SpecFusedUnsupported(
-            f"specfused supports head dims {HEAD_DIMS}, this model has q/k {head_dim}, v {v_head_dim}; {hint}")
+    if getattr(model_runner, "use_mla_backend", False):
+        _check_mla_model(model_runner, hint)
+    else:
+        head_dim, v_head_dim = cfg.head_dim, getattr(cfg, "v_head_dim", cfg.head_dim)
+        if head_dim not in HEAD_DIMS or v_head_dim not in HEAD_DIMS:
+            raise SpecFusedUnsupported(
+                f"specfused supports head dims {HEAD_DIMS}, this model has q/k {head_dim}, v {v_head_dim}; {hint}")
     if model_runner.kv_cache_dtype not in KV_DTYPES:
         raise SpecFusedUnsupported(
             f"specfused reads fp16/bf16/fp32 KV caches, got {model_runner.kv_cache_dtype} "
@@ -110,6 +123,19 @@ def check_model_supported(model_runner) -> None:
         raise SpecFusedUnsupported(
             f"specfused verifies at most {masks.MAX_DRAFT_TOKENS} draft tokens per request, "
             f"--speculative-num-draft-tokens is {num_draft}")
+
+
+def _check_mla_model(model_runner, hint: str) -> None:
+    cfg = model_runner.model_config
+    rank, rope = getattr(cfg, "kv_lora_rank", None), getattr(cfg, "qk_rope_head_dim", None)
+    if rank not in MLA_LATENT_DIMS or rope not in MLA_ROPE_DIMS:
+        raise SpecFusedUnsupported(
+            f"specfused supports MLA models (DeepSeek-V3, Kimi K2.5) with kv_lora_rank in {MLA_LATENT_DIMS} and "
+            f"qk_rope_head_dim in {MLA_ROPE_DIMS}; this model has {rank} and {rope}, which the MLA kernels do "
+            f"not implement yet; {hint}")
+    if getattr(model_runner.token_to_kv_pool, "use_dsa", False) or is_deepseek_dsa(getattr(cfg, "hf_config", {})):
+        raise SpecFusedUnsupported(
+            f"specfused does not support DeepSeek sparse attention (DSA: DeepSeek-V3.2, GLM-5); {hint}")
 
 
 def _check_layer(layer, sinks=None, score_mod=None) -> None:
@@ -153,9 +179,10 @@ class SpecFusedAttnBackend(AttentionBackend):
         self.data_type = model_runner.kv_cache_dtype
         self.kv_cache_dtype = model_runner.kv_cache_dtype
         self.num_draft_tokens = get_spec().speculative_num_draft_tokens or 0
+        self.use_mla = bool(getattr(model_runner, "use_mla_backend", False))
 
         if prefill_backend is None:
-            name = extend_backend_name(self.device.type)
+            name = extend_backend_name(self.device.type, mla=self.use_mla)
             prefill_backend = ATTENTION_BACKENDS[name](model_runner)
             logger.info("specfused: DECODE/TARGET_VERIFY on spec-kernels, prefill on SGLang's %s backend", name)
         self.prefill_backend = prefill_backend
@@ -343,9 +370,14 @@ class SpecFusedAttnBackend(AttentionBackend):
         return masks.words_from_full_mask(mask, prefix_lens, n)
 
     # ------------------------------------------------------------------ forward
-    def _save_kv(self, layer, forward_batch, k, v, save_kv_cache: bool) -> None:
-        if save_kv_cache and k is not None and v is not None:
-            self.token_to_kv_pool.set_kv_buffer(layer, KVWriteLoc.for_batch(forward_batch), k, v)
+    def _save_kv(self, layer, forward_batch, k, v, save_kv_cache: bool, k_rope=None) -> None:
+        if not save_kv_cache or k is None or v is None:
+            return
+        loc = KVWriteLoc.for_batch(forward_batch)
+        if k_rope is not None:  # MLA, split form: k is the latent part
+            self.token_to_kv_pool.set_mla_kv_buffer(layer, loc, k, k_rope)
+        else:  # MLA writes k, the whole latent row; MHA writes k and v
+            self.token_to_kv_pool.set_kv_buffer(layer, loc, k, v)
 
     def _kv_buffers(self, layer):
         k_cache = self.token_to_kv_pool.get_key_buffer(layer.layer_id)
@@ -356,13 +388,30 @@ class SpecFusedAttnBackend(AttentionBackend):
                 "the HND / vectorized KV layouts are not supported")
         return k_cache, v_cache
 
-    def _attend(self, q, k, v, layer, forward_batch, save_kv_cache, sinks, score_mod, verify: bool):
+    def _attend(self, q, k, v, layer, forward_batch, save_kv_cache, sinks, score_mod, verify: bool,
+                q_rope=None, k_rope=None):
         _check_layer(layer, sinks, score_mod)
-        self._save_kv(layer, forward_batch, k, v, save_kv_cache)
+        self._save_kv(layer, forward_batch, k, v, save_kv_cache, k_rope)
         md = self.forward_metadata
-        q3 = q.reshape(-1, layer.tp_q_head_num, layer.qk_head_dim).contiguous()
-        o = q.new_empty((q3.shape[0], layer.tp_q_head_num * layer.v_head_dim))
-        out = o.view(-1, layer.tp_q_head_num, layer.v_head_dim)
+        heads = layer.tp_q_head_num
+        if q_rope is not None:  # MLA, split form: q is the latent part, q_rope the rope part
+            q3 = torch.cat([q.view(-1, heads, layer.v_head_dim),
+                            q_rope.view(-1, heads, layer.qk_head_dim - layer.v_head_dim)], dim=-1)
+        else:
+            q3 = q.reshape(-1, heads, layer.qk_head_dim).contiguous()
+        o = q.new_empty((q3.shape[0], heads * layer.v_head_dim))
+        out = o.view(-1, heads, layer.v_head_dim)
+        if self.use_mla:
+            # One latent head [slots, 1, 576]; the ops read the value as its first v_head_dim values.
+            kv_cache = self.token_to_kv_pool.get_key_buffer(layer.layer_id)
+            if verify:
+                mla_tree_verify_attention(q3, kv_cache, md.kv_indptr, md.kv_indices, md.qo_indptr, md.tree_mask,
+                                          sm_scale=layer.scaling, v_head_dim=layer.v_head_dim, out=out,
+                                          max_draft_tokens=md.num_draft)
+            else:
+                mla_decode_attention(q3, kv_cache, md.kv_indptr, md.kv_indices, sm_scale=layer.scaling,
+                                     v_head_dim=layer.v_head_dim, out=out)
+            return o
         k_cache, v_cache = self._kv_buffers(layer)
         if verify:
             # max_draft_tokens: every request has md.num_draft tokens; it sizes the launch.
@@ -372,16 +421,17 @@ class SpecFusedAttnBackend(AttentionBackend):
             decode_attention(q3, k_cache, v_cache, md.kv_indptr, md.kv_indices, sm_scale=layer.scaling, out=out)
         return o
 
+    # q_rope / k_rope: SGLang's MLA backends' split form (FlashInfer-MLA's forward_decode/extend).
     def forward_decode(self, q, k, v, layer, forward_batch: ForwardBatch, save_kv_cache: bool = True,
-                       sinks=None, score_mod=None, **kwargs):
-        return self._attend(q, k, v, layer, forward_batch, save_kv_cache, sinks, score_mod, verify=False)
+                       sinks=None, score_mod=None, q_rope=None, k_rope=None, **kwargs):
+        return self._attend(q, k, v, layer, forward_batch, save_kv_cache, sinks, score_mod, verify=False,
+                            q_rope=q_rope, k_rope=k_rope)
 
     def forward_extend(self, q, k, v, layer, forward_batch: ForwardBatch, save_kv_cache: bool = True,
-                       sinks=None, score_mod=None, **kwargs):
+                       sinks=None, score_mod=None, q_rope=None, k_rope=None, **kwargs):
         if forward_batch.forward_mode.is_target_verify():
-            return self._attend(q, k, v, layer, forward_batch, save_kv_cache, sinks, score_mod, verify=True)
-        if sinks is not None:
-            kwargs["sinks"] = sinks
-        if score_mod is not None:
-            kwargs["score_mod"] = score_mod
+            return self._attend(q, k, v, layer, forward_batch, save_kv_cache, sinks, score_mod, verify=True,
+                                q_rope=q_rope, k_rope=k_rope)
+        extra = dict(sinks=sinks, score_mod=score_mod, q_rope=q_rope, k_rope=k_rope)
+        kwargs.update({name: value for name, value in extra.items() if value is not None})
         return self.prefill_backend.forward_extend(q, k, v, layer, forward_batch, save_kv_cache, **kwargs)

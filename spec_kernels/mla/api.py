@@ -1,0 +1,231 @@
+"""MLA tree-verify attention: public functions, their checks, and the torch custom op behind them.
+
+    torch.ops.spec_kernels.mla_tree_verify_attention   (MLA decode is the same op with qo_indptr=None)
+
+Like spec_kernels.tree_verify: the custom op mutates a preallocated output and returns nothing,
+has a fake implementation (FakeTensorMode, torch.compile(fullgraph=True)), and picks its
+implementation with the dispatch rule of spec_kernels._ops (cuda -> triton -> reference).
+"""
+from __future__ import annotations
+
+from typing import Optional, Union
+
+import torch
+
+from .._checks import (
+    FLOAT_DTYPES,
+    INDEX_DTYPES,
+    check_indptr_values,
+    check_shape,
+    check_tensor,
+    values_checkable,
+)
+from .._ops import op_impls
+from ..tree_verify.api import _check_kv_values, _check_out, _scale
+from ..tree_verify.launch_plan import MAX_KV_SPLITS
+from ..tree_verify.reference import MAX_DRAFT_TOKENS
+from . import cuda as cuda_binding
+from . import reference, triton_kernel
+
+MAX_HEADS = 128  # query heads per rank (Kimi K2.5 at TP8: 8, DeepSeek-V3 at TP8: 16, TP1: 128)
+LATENT_DIMS = (128, 256, 512)  # v_head_dim = kv_lora_rank
+ROPE_DIMS = (32, 64)  # head dim - v_head_dim = qk_rope_head_dim
+
+MLA = op_impls("mla_tree_verify_attention")
+MLA.register("cuda", supports=cuda_binding.supports)(cuda_binding.mla_tree_verify_attention)
+MLA.register("triton")(triton_kernel.mla_tree_verify_attention)
+
+
+@MLA.register("reference")
+def _mla_reference(q, kv_cache, kv_indptr, kv_indices, qo_indptr, tree_mask, sm_scale, v_head_dim, out, lse,
+                   num_kv_splits=0, max_draft_tokens=0):
+    # The reference is exact and loops over requests: no splits, no launch sizing.
+    reference.mla_tree_verify_attention(q, kv_cache, kv_indptr, kv_indices, qo_indptr, tree_mask, sm_scale,
+                                        v_head_dim, out, lse)
+
+
+@torch.library.custom_op("spec_kernels::mla_tree_verify_attention", mutates_args=("out", "lse"))
+def _mla_op(
+    q: torch.Tensor,
+    kv_cache: torch.Tensor,
+    kv_indptr: torch.Tensor,
+    kv_indices: torch.Tensor,
+    qo_indptr: Optional[torch.Tensor],
+    tree_mask: Optional[torch.Tensor],
+    sm_scale: float,
+    v_head_dim: int,
+    out: torch.Tensor,
+    lse: Optional[torch.Tensor],
+    impl: str,
+    num_kv_splits: int,
+    max_draft_tokens: int,
+) -> None:
+    _, fn = MLA.select(q.device, impl or None, args=(q, kv_cache, v_head_dim))
+    fn(q, kv_cache, kv_indptr, kv_indices, qo_indptr, tree_mask, sm_scale, v_head_dim, out, lse, num_kv_splits,
+       max_draft_tokens)
+
+
+@_mla_op.register_fake
+def _(q, kv_cache, kv_indptr, kv_indices, qo_indptr, tree_mask, sm_scale, v_head_dim, out, lse, impl, num_kv_splits,
+      max_draft_tokens):
+    return None
+
+
+# --------------------------------------------------------------------------- checks
+def _check_inputs(q, kv_cache, kv_indptr, kv_indices, v_head_dim) -> torch.Tensor:
+    """Metadata checks shared by verify and decode; returns kv_cache as [S, D]."""
+    check_tensor(q, "q", dim=3, dtypes=FLOAT_DTYPES)
+    dev = q.device
+    check_tensor(kv_cache, "kv_cache", dtypes=(q.dtype,), device=dev)
+    check_tensor(kv_indptr, "kv_indptr", dim=1, dtypes=(torch.int32,), device=dev)
+    check_tensor(kv_indices, "kv_indices", dim=1, dtypes=INDEX_DTYPES, device=dev)
+    _, H, D = q.shape
+    if not (kv_cache.dim() == 2 or (kv_cache.dim() == 3 and kv_cache.shape[1] == 1)):
+        raise ValueError(f"kv_cache must be [S, D] or [S, 1, D] (one latent KV head), "
+                         f"got shape {tuple(kv_cache.shape)}")
+    if kv_cache.shape[-1] != D:
+        raise ValueError(f"kv_cache head dim must equal q's ({D}), got kv_cache shape {tuple(kv_cache.shape)}")
+    if not 1 <= H <= MAX_HEADS:
+        raise ValueError(f"q must have 1..{MAX_HEADS} heads, got {H}")
+    if isinstance(v_head_dim, bool) or not isinstance(v_head_dim, int):
+        raise TypeError(f"v_head_dim must be an int, got {type(v_head_dim).__name__}")
+    if v_head_dim not in LATENT_DIMS or D - v_head_dim not in ROPE_DIMS:
+        raise ValueError(
+            f"q head dim {D} with v_head_dim {v_head_dim} is not supported: v_head_dim (the latent part) must be "
+            f"one of {LATENT_DIMS} and the rest (the rope part) one of {ROPE_DIMS}, e.g. 576 = 512 + 64 "
+            "(DeepSeek-V3, Kimi K2.5)")
+    if kv_indptr.numel() < 1:
+        raise ValueError("kv_indptr must have B+1 >= 1 entries")
+    return kv_cache.view(kv_cache.shape[0], D)
+
+
+def _check_draft_values(qo_indptr, kv_indptr, kv_indices, num_tokens: int, num_slots: int,
+                        max_draft_tokens: Optional[int]) -> None:
+    qo = check_indptr_values(qo_indptr, "qo_indptr", num_tokens, "q.shape[0]")
+    counts = [qo[b + 1] - qo[b] for b in range(len(qo) - 1)]
+    bound = max_draft_tokens or MAX_DRAFT_TOKENS
+    if counts and max(counts) > bound:
+        b = max(range(len(counts)), key=counts.__getitem__)
+        what = "max_draft_tokens" if max_draft_tokens else "are supported"
+        raise ValueError(f"qo_indptr: request {b} has {counts[b]} draft tokens, at most {bound} {what}")
+    _check_kv_values(kv_indptr.tolist(), kv_indices, num_slots, counts)
+
+
+# --------------------------------------------------------------------------- public API
+def mla_tree_verify_attention(
+    q: torch.Tensor,
+    kv_cache: torch.Tensor,
+    kv_indptr: torch.Tensor,
+    kv_indices: torch.Tensor,
+    qo_indptr: torch.Tensor,
+    tree_mask: torch.Tensor,
+    sm_scale: Optional[float] = None,
+    v_head_dim: int = 512,
+    return_lse: bool = False,
+    out: Optional[torch.Tensor] = None,
+    impl: Optional[str] = None,
+    num_kv_splits: Optional[int] = None,
+    max_draft_tokens: Optional[int] = None,
+) -> Union[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
+    """Multi-head latent attention (MLA, absorbed form) of a batch of draft-token trees over a
+    paged (token-slot) latent KV cache: DeepSeek-V3 / Kimi K2.5 verify attention.
+
+    The cache holds ONE latent KV head per token: row s of ``kv_cache`` is the key (576 = 512
+    compressed latent + 64 rope values) and its first ``v_head_dim`` values are the value. All H
+    query heads read that head, so request b has n_b x H query rows over the same KV, and the
+    kernels read each KV row once for all of them. Score of query head h of token t with slot s:
+    ``q[t, h] . kv_cache[s] * sm_scale``; output ``sum_s softmax(score)_s * kv_cache[s, :v_head_dim]``.
+
+    Batch layout exactly as in :func:`spec_kernels.tree_verify_attention`: request b owns queries
+    ``q[qo_indptr[b]:qo_indptr[b+1]]`` (its n_b draft tokens, 0 <= n_b <= 64) and KV slots
+    ``kv_indices[kv_indptr[b]:kv_indptr[b+1]]``, first its prefix (visible to every draft), then
+    its n_b draft slots; draft i sees draft j iff bit j of ``tree_mask[qo_indptr[b] + i]`` is set.
+
+    Args:
+        q: [T, H, D] fp16/bf16/fp32 absorbed queries (latent part, then rope part), request-major;
+            1 <= H <= 128. D = v_head_dim + rope dim: 576 = 512 + 64 (CUDA kernel); the Triton
+            kernel and the reference also take latent dims (128, 256, 512) x rope dims (32, 64).
+        kv_cache: [S, D] or [S, 1, D], q's dtype, contiguous (SGLang's MLATokenToKVPool buffer).
+        kv_indptr: int32 [B+1]. kv_indices: int32 or int64 slot ids in [0, S).
+        qo_indptr: int32 [B+1]. tree_mask: int64 [T] (see spec_kernels.tree_mask_from_parents).
+        sm_scale: softmax scale, default 1/sqrt(D). DeepSeek-V3 / Kimi K2.5 scale by
+            1/sqrt(qk_nope_head_dim + qk_rope_head_dim) (x the YaRN mscale^2): pass the layer's.
+        v_head_dim: the value (latent) width, default 512.
+        return_lse: also return the natural-log log-sum-exp of each row's logits, fp32 [T, H].
+        out: optional [T, H, v_head_dim] output buffer (q's dtype, contiguous), written and returned.
+        impl: "cuda", "triton" or "reference" to force one; default the fastest available.
+        num_kv_splits: split every prefix into this many parts (1..64); default from the batch
+            shape and the GPU's SM count, never from the tensors' values.
+        max_draft_tokens: an upper bound of every n_b (1..64): sizes the launch (default min(T, 64)).
+
+    Returns:
+        o [T, H, v_head_dim] in q's dtype (softmax and accumulation in fp32), or (o, lse).
+        A query that sees no key (empty prefix and an empty mask row) gets zeros and lse = -inf.
+
+    Guarantees: every input's dtype, device, rank, shape and contiguity is checked
+    (ValueError/TypeError naming it). Index values (indptr consistency, n_b <= 64, slot ranges)
+    are checked on CPU tensors, and on CUDA tensors in debug mode (SPEC_KERNELS_DEBUG=1) since
+    that needs a host sync; without the check, invalid values give unspecified results for the
+    requests concerned but the kernels bound every index they read or write (slot ids by S,
+    positions by len(kv_indices), tokens by T), so they never access memory out of bounds. GPU
+    paths never sync with the host (CUDA-graph capturable after a warm-up call: Triton autotunes
+    on the first call of a shape). Results are deterministic.
+
+    Example:
+        >>> mask = spec_kernels.tree_mask_from_parents(parents, qo_indptr)
+        >>> o = spec_kernels.mla_tree_verify_attention(q, kv_cache, kv_indptr, kv_indices, qo_indptr,
+        ...                                            mask, sm_scale=layer.scaling)
+    """
+    kv2d = _check_inputs(q, kv_cache, kv_indptr, kv_indices, v_head_dim)
+    dev, T, B = q.device, q.shape[0], kv_indptr.numel() - 1
+    check_tensor(qo_indptr, "qo_indptr", dim=1, dtypes=(torch.int32,), device=dev)
+    check_shape(qo_indptr, "qo_indptr", (B + 1,), "B+1, like kv_indptr")
+    check_tensor(tree_mask, "tree_mask", dim=1, dtypes=(torch.int64,), device=dev)
+    check_shape(tree_mask, "tree_mask", (T,), "one word per query row")
+    if max_draft_tokens is not None and not (1 <= int(max_draft_tokens) <= MAX_DRAFT_TOKENS):
+        raise ValueError(f"max_draft_tokens must be in [1, {MAX_DRAFT_TOKENS}], got {max_draft_tokens}")
+    if values_checkable(kv_indptr, qo_indptr, kv_indices):
+        _check_draft_values(qo_indptr, kv_indptr, kv_indices, T, kv2d.shape[0], max_draft_tokens)
+    return _run(q, kv2d, kv_indptr, kv_indices, qo_indptr, tree_mask, sm_scale, v_head_dim, return_lse, out, impl,
+                num_kv_splits, max_draft_tokens)
+
+
+def mla_decode_attention(
+    q: torch.Tensor,
+    kv_cache: torch.Tensor,
+    kv_indptr: torch.Tensor,
+    kv_indices: torch.Tensor,
+    sm_scale: Optional[float] = None,
+    v_head_dim: int = 512,
+    return_lse: bool = False,
+    out: Optional[torch.Tensor] = None,
+    impl: Optional[str] = None,
+    num_kv_splits: Optional[int] = None,
+) -> Union[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
+    """Plain MLA decode: one query token per request over all of its KV slots.
+
+    The n_b = 1 case of :func:`mla_tree_verify_attention` (same kernels, no tree mask): q is
+    [B, H, D], request b's slots are ``kv_indices[kv_indptr[b]:kv_indptr[b+1]]`` (its last
+    slot is the new token's). Arguments, results and guarantees as there.
+    """
+    kv2d = _check_inputs(q, kv_cache, kv_indptr, kv_indices, v_head_dim)
+    B = kv_indptr.numel() - 1
+    if q.shape[0] != B:
+        raise ValueError(f"q must have one row per request: q.shape[0]={q.shape[0]} but kv_indptr has B={B}")
+    if values_checkable(kv_indptr, kv_indices):
+        _check_kv_values(kv_indptr.tolist(), kv_indices, kv2d.shape[0], [0] * B)
+    return _run(q, kv2d, kv_indptr, kv_indices, None, None, sm_scale, v_head_dim, return_lse, out, impl,
+                num_kv_splits, 1)
+
+
+def _run(q, kv_cache, kv_indptr, kv_indices, qo_indptr, tree_mask, sm_scale, v_head_dim, return_lse, out, impl,
+         num_kv_splits, max_draft_tokens):
+    if num_kv_splits is not None and not (1 <= int(num_kv_splits) <= MAX_KV_SPLITS):
+        raise ValueError(f"num_kv_splits must be in [1, {MAX_KV_SPLITS}], got {num_kv_splits}")
+    out = _check_out(out, q, v_head_dim)
+    lse = q.new_empty(q.shape[:2], dtype=torch.float32) if return_lse else None
+    torch.ops.spec_kernels.mla_tree_verify_attention(
+        q, kv_cache, kv_indptr, kv_indices, qo_indptr, tree_mask, _scale(sm_scale, q.shape[2]), v_head_dim,
+        out, lse, impl or "", int(num_kv_splits or 0), int(max_draft_tokens or 0),
+    )
+    return (out, lse) if return_lse else out

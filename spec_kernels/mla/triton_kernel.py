@@ -1,0 +1,273 @@
+"""Triton MLA tree-verify attention (and MLA decode, n_b = 1).
+
+One program handles one (request, row block, KV split). The request has ONE latent KV head
+shared by all query heads, so its rows are n_b draft tokens x H query heads, packed
+(row = draft * H + head), and every KV tile is read once for all of them.
+
+Each cached row (576 = DV latent + DR rope values; 512 + 64 for DeepSeek-V3 / Kimi K2.5) is
+loaded once per tile as two blocks, the latent [BLOCK_N, DV] and the rope [BLOCK_N, DR]:
+the latent block is both the key (with the rope block) and the value, so V costs no extra read.
+
+  s   = q_latent . latent^T + q_rope . rope^T        (two dots: 576 is not a power of two)
+  acc = acc * alpha + p . latent
+
+As in spec_kernels.tree_verify: prefix tiles have no mask work beyond the tile bounds, only
+the tail (the n_b draft slots, last split) applies the per-row 64-bit ancestor word, and with
+several splits every split writes a normalised partial and its log-sum-exp, merged by the same
+fixed-order merge kernel as tree_verify (deterministic). The split count depends on shapes and
+the SM count only: no host sync, CUDA-graph capturable. Under TRITON_INTERPRET=1 everything is
+computed in fp32 after exact loads (the interpreter's bf16 arithmetic is wrong).
+"""
+from __future__ import annotations
+
+import os
+from typing import Optional
+
+import torch
+import triton
+import triton.language as tl
+
+from .._ops import triton_interpreting
+from ..tree_verify.launch_plan import MIN_SPLIT_KEYS
+from ..tree_verify.launch_plan import max_rows as plan_max_rows
+from ..tree_verify.launch_plan import num_kv_splits as plan_splits
+from ..tree_verify.triton_kernel import LOG2E, _merge_splits_kernel
+
+
+@triton.jit
+def _dot(a, b, acc, IEEE_DOT: tl.constexpr):
+    if IEEE_DOT:  # fp32 inputs: exact fp32 products instead of tf32
+        return tl.dot(a, b, acc, input_precision="ieee")
+    return tl.dot(a, b, acc)
+
+
+@triton.jit
+def _attend_tile(q_lat, q_rope, m_i, l_i, acc, KV, KV_INDICES, first, offs_n, key_ok, row_bits, qk_scale,
+                 stride_kv, num_indices, num_slots, DV: tl.constexpr, DR: tl.constexpr, MASKED: tl.constexpr,
+                 COMPUTE_F32: tl.constexpr, IEEE_DOT: tl.constexpr):
+    """One KV tile (slots kv_indices[first + offs_n]) folded into the online softmax of every row.
+    MASKED (tail tiles): key j of the tile is visible to a row iff bit j of its row_bits is set.
+    Index positions and slot ids out of range (invalid input) are skipped, never dereferenced."""
+    at = first + offs_n
+    slot = tl.load(KV_INDICES + at, mask=key_ok & (at >= 0) & (at < num_indices), other=-1).to(tl.int64)
+    key_ok = key_ok & (slot >= 0) & (slot < num_slots)
+    row = KV + slot[:, None] * stride_kv
+    lat = tl.load(row + tl.arange(0, DV)[None, :], mask=key_ok[:, None], other=0.0)  # [BLOCK_N, DV]
+    rope = tl.load(row + DV + tl.arange(0, DR)[None, :], mask=key_ok[:, None], other=0.0)  # [BLOCK_N, DR]
+    if COMPUTE_F32:
+        lat = lat.to(tl.float32)
+        rope = rope.to(tl.float32)
+    s = _dot(q_rope, tl.trans(rope), None, IEEE_DOT)
+    s = _dot(q_lat, tl.trans(lat), s, IEEE_DOT)
+    visible = key_ok[None, :]
+    if MASKED:
+        bit = (row_bits[:, None] >> offs_n.to(tl.int64)[None, :]) & 1
+        visible = visible & (bit != 0)
+    s = tl.where(visible, s * qk_scale, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s, 1))
+    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+    alpha = tl.math.exp2(m_i - m_safe)
+    p = tl.math.exp2(s - m_safe[:, None])
+    l_i = l_i * alpha + tl.sum(p, 1)
+    acc = _dot(p.to(lat.dtype), lat, acc * alpha[:, None], IEEE_DOT)
+    return m_new, l_i, acc
+
+
+@triton.jit
+def _mla_fwd_kernel(
+    Q, KV, KV_INDPTR, KV_INDICES, QO_INDPTR, TREE_MASK,
+    O, LSE,  # final outputs (one split) or partials [splits, T, H, DV] / [splits, T, H]
+    qk_scale,  # sm_scale * log2(e): the softmax runs in base 2
+    stride_qt, stride_qh, stride_kv,
+    stride_ot, stride_oh, stride_os, stride_lt, stride_ls,
+    max_rows, num_splits,
+    num_tokens, num_indices, num_slots,  # bounds of the index values (invalid input stays in bounds)
+    HEADS: tl.constexpr,
+    DV: tl.constexpr,
+    DR: tl.constexpr,
+    IS_DECODE: tl.constexpr,  # no qo_indptr / tree_mask: one query per request sees every slot
+    WRITE_LSE: tl.constexpr,
+    PARTIAL: tl.constexpr,
+    COMPUTE_F32: tl.constexpr,
+    IEEE_DOT: tl.constexpr,
+    MIN_CHUNK: tl.constexpr,  # smallest prefix share of a split (a multiple of BLOCK_N, or 0)
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    split = tl.program_id(1)
+    num_m_blocks = tl.cdiv(max_rows, BLOCK_M)
+    m_block = pid % num_m_blocks
+    req = pid // num_m_blocks
+
+    if IS_DECODE:
+        q_start = req
+        n_draft = 1
+    else:
+        q_start = tl.load(QO_INDPTR + req)
+        n_draft = tl.load(QO_INDPTR + req + 1) - q_start
+    kv_start = tl.load(KV_INDPTR + req).to(tl.int64)
+    kv_len = tl.load(KV_INDPTR + req + 1) - tl.load(KV_INDPTR + req)
+    prefix_len = tl.maximum(kv_len - n_draft, 0)
+
+    if m_block * BLOCK_M < n_draft * HEADS:
+        offs_m = m_block * BLOCK_M + tl.arange(0, BLOCK_M)
+        token = (q_start + offs_m // HEADS).to(tl.int64)  # query token of each row
+        row_ok = (offs_m < n_draft * HEADS) & (token >= 0) & (token < num_tokens)
+        head = offs_m % HEADS
+        q_row = Q + token[:, None] * stride_qt + head[:, None] * stride_qh
+        q_lat = tl.load(q_row + tl.arange(0, DV)[None, :], mask=row_ok[:, None], other=0.0)
+        q_rope = tl.load(q_row + DV + tl.arange(0, DR)[None, :], mask=row_ok[:, None], other=0.0)
+        if COMPUTE_F32:
+            q_lat = q_lat.to(tl.float32)
+            q_rope = q_rope.to(tl.float32)
+
+        if IS_DECODE:
+            row_bits = tl.full([BLOCK_M], 1, dtype=tl.int64)  # the query's own slot
+        else:
+            row_bits = tl.load(TREE_MASK + token, mask=row_ok, other=0)
+
+        m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+        l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+        acc = tl.zeros([BLOCK_M, DV], dtype=tl.float32)
+        offs_n = tl.arange(0, BLOCK_N)
+
+        # ---- prefix: every row sees every key; this split's contiguous share of it
+        chunk = tl.cdiv(tl.cdiv(prefix_len, num_splits), BLOCK_N) * BLOCK_N
+        chunk = tl.maximum(chunk, MIN_CHUNK)
+        lo = split * chunk
+        hi = tl.minimum(prefix_len, lo + chunk)
+        for start in range(lo, hi, BLOCK_N):
+            m_i, l_i, acc = _attend_tile(q_lat, q_rope, m_i, l_i, acc, KV, KV_INDICES, kv_start + start, offs_n,
+                                         start + offs_n < hi, row_bits, qk_scale, stride_kv, num_indices,
+                                         num_slots, DV, DR, False, COMPUTE_F32, IEEE_DOT)
+
+        # ---- tail: the n_draft draft slots under the ancestor bitmask (last split only)
+        if split == num_splits - 1:
+            for t0 in range(0, n_draft, BLOCK_N):
+                key_ok = (t0 + offs_n < n_draft) & (prefix_len + t0 + offs_n < kv_len)
+                m_i, l_i, acc = _attend_tile(q_lat, q_rope, m_i, l_i, acc, KV, KV_INDICES,
+                                             kv_start + prefix_len + t0, offs_n, key_ok, row_bits >> t0, qk_scale,
+                                             stride_kv, num_indices, num_slots, DV, DR, True, COMPUTE_F32,
+                                             IEEE_DOT)
+
+        # ---- epilogue: rows that saw no key get zeros and lse = -inf
+        seen = l_i > 0.0
+        o = acc / tl.where(seen, l_i, 1.0)[:, None]
+        lse2 = tl.where(seen, m_i + tl.math.log2(tl.where(seen, l_i, 1.0)), float("-inf"))
+        o_ptrs = O + token[:, None] * stride_ot + head[:, None] * stride_oh + tl.arange(0, DV)[None, :]
+        if PARTIAL:
+            tl.store(o_ptrs + split * stride_os, o, mask=row_ok[:, None])
+            tl.store(LSE + split * stride_ls + token * stride_lt + head, lse2, mask=row_ok)
+        else:
+            tl.store(o_ptrs, o.to(O.dtype.element_ty), mask=row_ok[:, None])
+            if WRITE_LSE:
+                tl.store(LSE + token * stride_lt + head, lse2 * 0.6931471805599453, mask=row_ok)
+
+
+# --------------------------------------------------------------------------- launch configuration
+def default_block_m(max_rows: int) -> int:
+    # A [BLOCK_M, 512] fp32 accumulator per program: 32 rows keep it in registers.
+    return max(16, min(32, triton.next_power_of_2(max_rows)))
+
+
+def _autotune_configs():
+    return [
+        triton.Config({"BLOCK_N": bn}, num_warps=w, num_stages=st)
+        for bn, w, st in [(16, 4, 2), (32, 4, 2), (32, 8, 2), (16, 8, 3), (64, 8, 1), (32, 8, 1)]
+    ]
+
+
+def _prune_configs(configs, named_args, **kwargs):
+    # The KV tiles of all pipeline stages within 96 KB of shared memory (sm_120 allows 99 KB).
+    args = {**named_args, **kwargs}
+    row_bytes = (args["DV"] + args["DR"]) * args["KV"].element_size()
+    kept = [c for c in configs if c.kwargs["BLOCK_N"] * row_bytes * max(c.num_stages, 1) <= 96 * 1024]
+    return kept or configs[:1]
+
+
+_tuned_kernel = None
+
+
+def _kernel_for_launch():
+    """(kernel, fixed): the autotuned kernel on a GPU; the plain one with a fixed BLOCK_N under the
+    interpreter or with SPEC_KERNELS_TRITON_AUTOTUNE=0."""
+    global _tuned_kernel
+    if triton_interpreting() or os.environ.get("SPEC_KERNELS_TRITON_AUTOTUNE", "1") == "0":
+        return _mla_fwd_kernel, True
+    if _tuned_kernel is None:
+        _tuned_kernel = triton.autotune(
+            configs=_autotune_configs(),
+            key=["max_rows", "HEADS", "DV", "DR", "IS_DECODE", "PARTIAL", "BLOCK_M"],
+            prune_configs_by={"early_config_prune": _prune_configs},
+        )(_mla_fwd_kernel)
+    return _tuned_kernel, False
+
+
+def mla_tree_verify_attention(
+    q: torch.Tensor,
+    kv_cache: torch.Tensor,
+    kv_indptr: torch.Tensor,
+    kv_indices: torch.Tensor,
+    qo_indptr: Optional[torch.Tensor],
+    tree_mask: Optional[torch.Tensor],
+    sm_scale: float,
+    v_head_dim: int,
+    out: torch.Tensor,
+    lse: Optional[torch.Tensor],
+    num_kv_splits: int = 0,
+    max_draft_tokens: int = 0,
+    block_m: Optional[int] = None,
+    block_n: Optional[int] = None,
+) -> None:
+    """Launch the Triton kernel(s). Arguments as in spec_kernels.mla.mla_tree_verify_attention
+    (already checked; kv_cache is [S, D]); block_m/block_n override the tile (tests)."""
+    T, H, D = q.shape
+    B = kv_indptr.numel() - 1
+    if T == 0 or B == 0:
+        return
+    is_decode = qo_indptr is None
+    max_rows = plan_max_rows(T, H, is_decode, max_draft_tokens)
+    block_m = block_m or default_block_m(max_rows)
+    splits = num_kv_splits or plan_splits(q.device, B, 1, max_rows, block_m)
+    kernel, fixed = _kernel_for_launch()
+    # Placeholders for absent optional pointers (never dereferenced: constexpr branches).
+    qo_ptr = qo_indptr if qo_indptr is not None else kv_indptr
+    mask_ptr = tree_mask if tree_mask is not None else kv_indptr
+
+    partial = splits > 1
+    if partial:
+        o_dst = torch.empty((splits, T, H, v_head_dim), dtype=torch.float32, device=q.device)
+        lse_dst = torch.empty((splits, T, H), dtype=torch.float32, device=q.device)
+        strides_o = (o_dst.stride(1), o_dst.stride(2), o_dst.stride(0))
+        strides_l = (lse_dst.stride(1), lse_dst.stride(0))
+    else:
+        o_dst, lse_dst = out, (lse if lse is not None else out)
+        strides_o = (out.stride(0), out.stride(1), 0)
+        strides_l = (lse.stride(0) if lse is not None else 0, 0)
+
+    args = (q, kv_cache, kv_indptr, kv_indices, qo_ptr, mask_ptr, o_dst, lse_dst, sm_scale * LOG2E,
+            q.stride(0), q.stride(1), kv_cache.stride(0), *strides_o, *strides_l, max_rows, splits,
+            T, kv_indices.numel(), kv_cache.shape[0])
+    meta = dict(
+        HEADS=H, DV=v_head_dim, DR=D - v_head_dim, IS_DECODE=is_decode, WRITE_LSE=lse is not None,
+        PARTIAL=partial, COMPUTE_F32=triton_interpreting() or q.dtype == torch.float32,
+        IEEE_DOT=q.dtype == torch.float32,
+        # A forced split count divides the prefix evenly; the automatic one keeps splits >= 256 keys.
+        MIN_CHUNK=0 if num_kv_splits else MIN_SPLIT_KEYS,
+        BLOCK_M=block_m,
+    )
+    grid = (B * triton.cdiv(max_rows, block_m), splits)
+    if fixed or block_n is not None:
+        _mla_fwd_kernel[grid](*args, **meta, BLOCK_N=block_n or 16, num_warps=4)
+    else:
+        kernel[grid](*args, **meta)
+
+    if partial:
+        _merge_splits_kernel[(T * H,)](
+            o_dst, lse_dst, out, lse if lse is not None else out,
+            H, splits,
+            o_dst.stride(0), o_dst.stride(1), o_dst.stride(2), lse_dst.stride(0), lse_dst.stride(1),
+            out.stride(0), out.stride(1), lse.stride(0) if lse is not None else 0,
+            DV=v_head_dim, BLOCK_S=triton.next_power_of_2(splits), WRITE_LSE=lse is not None,
+        )
