@@ -160,6 +160,8 @@ void tree_verify_attention(const at::Tensor& q, const at::Tensor& k_cache, const
   p.num_q_heads = static_cast<int>(Hq);
   p.num_kv_heads = static_cast<int>(Hkv);
   p.head_dim = static_cast<int>(D);
+  p.num_slots = S;
+  p.num_indices = kv_indices.numel();
   const int64_t group = Hq / Hkv;
   TORCH_CHECK(max_rows >= 1 && max_rows <= spec_kernels::kMaxDraftTokens * group,
               "max_rows must be in [1, 64 * Hq / Hkv], got ", max_rows);

@@ -126,6 +126,20 @@ def test_max_draft_tokens_bound_sizes_the_launch():
         spec_kernels.tree_verify_attention(*case.args, impl="triton", max_draft_tokens=8)
 
 
+def test_triton_kernel_stays_in_bounds_on_malformed_indices():
+    # The API rejects these on CPU; the kernel itself (what runs on CUDA without debug checks)
+    # must still never touch memory outside the tensors: bad slots and indptr ends are skipped.
+    case = make_case([4, 3], [20, 6], hq=4, hkv=2, seed=13)
+    kv_indices = case.kv_indices.clone()
+    kv_indices[3], kv_indices[30] = 10**6, -5
+    kv_indptr = case.kv_indptr.clone()
+    kv_indptr[-1] += 50  # past the end of kv_indices
+    out = torch.full((7, 4, 64), float("nan"))
+    triton_kernel.tree_verify_attention(case.q, case.k_cache, case.v_cache, kv_indptr, kv_indices, case.qo_indptr,
+                                        case.tree_mask, 0.125, out, None, num_kv_splits=2)
+    assert torch.isfinite(out).all()
+
+
 def test_empty_batch():
     case = make_case([], [], hq=4, hkv=2, seed=11)
     for impl in ("reference", "triton"):
@@ -182,6 +196,22 @@ def test_gpu_cuda_decode_and_determinism(splits):
     torch.testing.assert_close(lse, ref_lse, atol=2e-2, rtol=2e-2)
     again = spec_kernels.decode_attention(*args, impl="cuda", num_kv_splits=splits)
     assert torch.equal(out, again)  # bitwise deterministic
+
+
+@pytest.mark.gpu
+def test_gpu_cuda_kernel_stays_in_bounds_on_malformed_indices():
+    from spec_kernels.tree_verify import cuda as cuda_binding
+
+    case = make_case([4, 3], [20, 6], hq=4, hkv=2, d=128, dtype=torch.bfloat16, seed=13, device="cuda")
+    kv_indices = case.kv_indices.clone()
+    kv_indices[3], kv_indices[30] = 10**6, -5
+    kv_indptr = case.kv_indptr.clone()
+    kv_indptr[-1] += 50  # past the end of kv_indices
+    out = torch.full((7, 4, 128), float("nan"), dtype=torch.bfloat16, device="cuda")
+    cuda_binding.tree_verify_attention(case.q, case.k_cache, case.v_cache, kv_indptr, kv_indices, case.qo_indptr,
+                                       case.tree_mask, 0.125, out, None, num_kv_splits=2)
+    torch.cuda.synchronize()
+    assert torch.isfinite(out.float()).all()
 
 
 @pytest.mark.gpu

@@ -96,10 +96,10 @@ __global__ void __launch_bounds__(kThreads) tree_verify_kernel(const TreeVerifyP
   // ---- Q block (rows past rows_here are zero-filled)
   for (int i = threadIdx.x; i < kBlockM * kChunks; i += kThreads) {
     const int r = i / kChunks, c = i % kChunks;
-    const bool valid = r < rows_here;
+    const int row = row0 + r;
+    const bool valid = r < rows_here && q_start + row / group < p.num_tokens;
     const T* src = q;
     if (valid) {
-      const int row = row0 + r;
       src = q + (q_start + row / group) * p.q_stride_t + (kv_head * group + row % group) * p.q_stride_h + c * 8;
     }
     cp_async_16(smem_addr(s_q + swizzled<kChunks>(r, c)), src, valid);
@@ -115,8 +115,10 @@ __global__ void __launch_bounds__(kThreads) tree_verify_kernel(const TreeVerifyP
     T* dst_v = s_v + stage * kStageKeys * D;
     for (int i = threadIdx.x; i < kStageKeys * kChunks; i += kThreads) {
       const int r = i / kChunks, c = i % kChunks;
-      const bool valid = base + r < end;
-      const int64_t slot = valid ? load_slot(p, kv_start + base + r) : 0;
+      // Malformed indices (unchecked on the GPU unless in debug mode) are skipped, never followed.
+      const bool in_range = base + r < end && kv_start + base + r < p.num_indices;
+      const int64_t slot = in_range ? load_slot(p, kv_start + base + r) : 0;
+      const bool valid = in_range && slot >= 0 && slot < p.num_slots;
       cp_async_16(smem_addr(dst_k + swizzled<kChunks>(r, c)), k_cache + slot * p.k_stride_s + c * 8, valid);
       cp_async_16(smem_addr(dst_v + swizzled<kChunks>(r, c)), v_cache + slot * p.v_stride_s + c * 8, valid);
     }
@@ -130,7 +132,8 @@ __global__ void __launch_bounds__(kThreads) tree_verify_kernel(const TreeVerifyP
     const int r = wm * 16 + g + h * 8;
     row_mask[h] = ~0ull;  // decode: the single tail key is the query's own token
     if (p.tree_mask != nullptr) {
-      row_mask[h] = r < rows_here ? static_cast<uint64_t>(p.tree_mask[q_start + (row0 + r) / group]) : 0ull;
+      const int token = q_start + (row0 + r) / group;
+      row_mask[h] = r < rows_here && token < p.num_tokens ? static_cast<uint64_t>(p.tree_mask[token]) : 0ull;
     }
   }
   float m_i[2] = {-INFINITY, -INFINITY};
@@ -297,6 +300,7 @@ __global__ void __launch_bounds__(kThreads) tree_verify_kernel(const TreeVerifyP
     if (r >= rows_here) continue;
     const int row = row0 + r;
     const int64_t token = q_start + row / group;
+    if (token >= p.num_tokens) continue;
     const int head = kv_head * group + row % group;
     const bool seen = l_i[h] > 0.f;
     const float inv_l = seen ? 1.f / l_i[h] : 0.f;

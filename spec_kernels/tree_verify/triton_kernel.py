@@ -39,6 +39,7 @@ def _tree_verify_fwd_kernel(
     stride_qt, stride_qh, stride_ks, stride_kh, stride_vs, stride_vh,
     stride_ot, stride_oh, stride_os, stride_lt, stride_ls,
     num_kv_heads, max_rows, num_splits,
+    num_tokens, num_slots, num_indices,  # bounds: malformed indices never read or write outside
     GROUP: tl.constexpr,
     D: tl.constexpr,
     DV: tl.constexpr,
@@ -71,8 +72,8 @@ def _tree_verify_fwd_kernel(
     rows = n_draft * GROUP
     if m_block * BLOCK_M < rows:
         offs_m = m_block * BLOCK_M + tl.arange(0, BLOCK_M)
-        row_ok = offs_m < rows
         token = (q_start + offs_m // GROUP).to(tl.int64)  # query token of each row
+        row_ok = (offs_m < rows) & (token < num_tokens)
         head = kv_head * GROUP + offs_m % GROUP  # query head of each row
         offs_d = tl.arange(0, D)
         offs_dv = tl.arange(0, DV)
@@ -95,8 +96,9 @@ def _tree_verify_fwd_kernel(
         hi = tl.minimum(prefix_len, lo + chunk)
         for start in range(lo, hi, BLOCK_N):
             offs_n = start + tl.arange(0, BLOCK_N)
-            key_ok = offs_n < hi
+            key_ok = (offs_n < hi) & (kv_start + offs_n < num_indices)
             slot = tl.load(KV_INDICES + kv_start + offs_n, mask=key_ok, other=0).to(tl.int64)
+            key_ok = key_ok & (slot >= 0) & (slot < num_slots)
             k = tl.load(k_base + slot[None, :] * stride_ks + offs_d[:, None], mask=key_ok[None, :], other=0.0)
             v = tl.load(v_base + slot[:, None] * stride_vs + offs_dv[None, :], mask=key_ok[:, None], other=0.0)
             if COMPUTE_F32:
@@ -126,8 +128,9 @@ def _tree_verify_fwd_kernel(
                 row_bits = tl.load(TREE_MASK + token, mask=row_ok, other=0)
             for t0 in range(0, n_draft, BLOCK_N):
                 offs_j = t0 + tl.arange(0, BLOCK_N)
-                key_ok = (offs_j < n_draft) & (prefix_len + offs_j < kv_len)
+                key_ok = (offs_j < n_draft) & (prefix_len + offs_j < kv_len) & (kv_start + prefix_len + offs_j < num_indices)
                 slot = tl.load(KV_INDICES + kv_start + prefix_len + offs_j, mask=key_ok, other=0).to(tl.int64)
+                key_ok = key_ok & (slot >= 0) & (slot < num_slots)
                 k = tl.load(k_base + slot[None, :] * stride_ks + offs_d[:, None], mask=key_ok[None, :], other=0.0)
                 v = tl.load(v_base + slot[:, None] * stride_vs + offs_dv[None, :], mask=key_ok[:, None], other=0.0)
                 if COMPUTE_F32:
@@ -291,6 +294,7 @@ def tree_verify_attention(
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), v_cache.stride(0), v_cache.stride(1),
         *strides_o, *strides_l,
         Hkv, max_rows, splits,
+        T, k_cache.shape[0], kv_indices.numel(),
     )
     meta = dict(
         GROUP=group, D=D, DV=Dv, IS_DECODE=is_decode, WRITE_LSE=lse is not None, PARTIAL=partial,

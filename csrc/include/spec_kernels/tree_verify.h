@@ -30,6 +30,8 @@ struct TreeVerifyParams {
   int64_t v_stride_s, v_stride_h;
   int64_t o_stride_t, o_stride_h;
   int num_requests, num_tokens, num_q_heads, num_kv_heads, head_dim;
+  int64_t num_slots;    // S: slot ids outside [0, S) are skipped, never read
+  int64_t num_indices;  // length of kv_indices: indptr values past it are skipped
   int max_rows;    // upper bound of n_b * (Hq / Hkv) over the batch: sizes the grid
   int num_splits;  // KV splits per request (grid.y); 1 = no combine pass
   int min_chunk;   // smallest prefix share of a split (multiple of the KV tile), 0 = even split
