@@ -19,9 +19,10 @@ counts in units of 1/calls_per_round seconds, so every statistic pytest-benchmar
 saves) is the time of ONE call. Everything is warmed up first: Triton compiles and autotunes on
 the first call of a shape.
 
-Run as a script to print the summary table of saved results (e.g. gpu_check.sh's JSON):
+Run as a script to print the summary table of saved results (e.g. gpu_check.sh's JSON), and with
+--plots DIR to (re)draw the decode-step plots (:func:`write_decode_step_plots`) from them:
 
-    python benchmarks/_timing.py OUTDIR/tree_verify.json [more.json ...]
+    python benchmarks/_timing.py [--plots DIR] OUTDIR/tree_verify.json [more.json ...]
 """
 from __future__ import annotations
 
@@ -198,6 +199,7 @@ def format_summary(rows: list[dict]) -> list[str]:
         lines.append("streaming ceiling: " + ", ".join(
             f"{op} {_num(r['gbps'])} GB/s ({r['bytes'] / 2**30:.2f} GiB moved per call)" for op, r in stream.items()))
 
+    lines += format_decode_steps(rows)
     attn = [r for r in rows if r["kind"] == "attention"]
     if not attn:
         return lines
@@ -235,6 +237,167 @@ def format_summary(rows: list[dict]) -> list[str]:
     return lines
 
 
+# --------------------------------------------------------------------------- decode-step summary
+def _decode_groups(rows: list[dict]) -> dict[tuple, dict]:
+    """(preset, L) -> {"steps": {(B, n): row}, "parts": {(B, n, component, impl): row}} in run order."""
+    groups: dict[tuple, dict] = {}
+    for r in rows:
+        if r["kind"] not in ("decode_step", "decode_component"):
+            continue
+        g = groups.setdefault((r["preset"], r["L"]), {"steps": {}, "parts": {}})
+        if r["kind"] == "decode_step":
+            g["steps"][(r["B"], r["n"])] = r
+        else:
+            g["parts"][(r["B"], r["n"], r["component"], r["impl"])] = r
+    return groups
+
+
+def format_decode_steps(rows: list[dict]) -> list[str]:
+    """Per (model preset, L): baseline vs EAGLE step time per B and n, the ratio, plain decoding's
+    tok/s; where a layer's time goes; EAGLE attention beside the anchors (benchmarks/test_decode_step.py)."""
+    lines: list[str] = []
+    for (preset, L), g in _decode_groups(rows).items():
+        steps, parts = g["steps"], g["parts"]
+        any_row = next(iter(steps.values()), None) or next(iter(parts.values()))
+        layers = any_row["layers"]
+        head = (f"decode step: {any_row['model']} ({preset}), TP{any_row['tp']}, {layers} layers, L={L}, "
+                f"{any_row['dtype']}, attention {any_row['attention']}")
+        if steps:
+            head += f" ({next(iter(steps.values()))['impl']})"
+        lines += ["", head + "; allreduce NOT timed (one process)"]
+        Bs = sorted({B for B, _ in list(steps) + [k[:2] for k in parts]})
+        ns = sorted({n for _, n in steps if n > 1} | {k[1] for k in parts if k[1] > 1})
+        if steps:
+            lines += [f"  step = one layer x {layers} + the step's KV alloc/commit; plain decoding's tok/s = B / step;",
+                      "  tokens = through the target per step; x base = EAGLE step / baseline step = the tokens",
+                      "  per request (tau, bonus included) an EAGLE step must emit to tie plain decoding",
+                      "  (EAGLE tok/s = B x tau / step)",
+                      f"{'B':>6} | {'baseline':>9} {'tok/s':>8}"
+                      + "".join(f" | {f'n={n}':>9} {'tokens':>6} {'x base':>6}" for n in ns)]
+            for B in Bs:
+                base = steps.get((B, 1))
+                t_base = base["median_s"] * layers if base else None
+                line = f"{B:>6} | {_ms(t_base):>9} {_num(B / t_base if t_base else None):>8}"
+                for n in ns:
+                    r = steps.get((B, n))
+                    t = r["median_s"] * layers if r else None
+                    line += f" | {_ms(t):>9} {B * n:>6} {_num(t / t_base if t and t_base else None, '.2f'):>6}"
+                lines.append(line)
+        lines += _decode_parts(steps, parts, Bs, ns, layers)
+        lines += _decode_anchors(steps, parts, Bs, ns)
+    return lines
+
+
+def _ms(t: Optional[float]) -> str:
+    return "-" if t is None else f"{_num(t * 1e3)} ms"
+
+
+def _decode_parts(steps: dict, parts: dict, Bs: list, ns: list, layers: int) -> list[str]:
+    comps = ("attention", "gemm", "norm", "kv")
+    if not any(k[2] in comps for k in parts):
+        return []
+    lines = ["  where a layer's time goes (us; kv = the step's alloc/commit / layers; parts = their sum;",
+             "  layer = the measured step / layers; attention: the impl the step ran)",
+             f"{'B':>6} {'n':>3} {'tokens':>6} | " + " ".join(f"{c:>9}" for c in comps)
+             + f" | {'parts':>9} {'layer':>9}"]
+    step_impl = {"attention": "impl", "norm": "norm_impl", "kv": "kv_impl"}
+    for B in Bs:
+        for n in [1] + ns:
+            step = steps.get((B, n))
+            cells, total = [], 0.0
+            for comp in comps:
+                # the implementation the step ran, else ours (never an anchor)
+                want = step.get(step_impl.get(comp, ""), None) if step else None
+                found = [r for (b, m, c, impl), r in parts.items() if (b, m, c) == (B, n, comp)
+                         and (impl == want or want is None and not r.get("anchor"))]
+                t = found[0]["median_s"] / (layers if comp == "kv" else 1) if found else None
+                total += t or 0.0
+                cells.append(_num(t * 1e6 if t is not None else None))
+            if all(c == "-" for c in cells) and step is None:
+                continue
+            layer = step["median_s"] * 1e6 if step else None
+            lines.append(f"{B:>6} {n:>3} {B * n:>6} | " + " ".join(f"{c:>9}" for c in cells)
+                         + f" | {_num(total * 1e6 if total else None):>9} {_num(layer):>9}")
+    return lines
+
+
+def _decode_anchors(steps: dict, parts: dict, Bs: list, ns: list) -> list[str]:
+    attn = {k: r for k, r in parts.items() if k[2] == "attention" and k[1] > 1}
+    impls = list(dict.fromkeys(k[3] for k in attn))
+    if len(impls) < 2:
+        return []
+    ref_impl = next((s["impl"] for s in steps.values()), impls[0])
+    ref_impl = ref_impl if ref_impl in impls else impls[0]
+    lines = [f"  EAGLE attention, ours beside the anchors (us per layer; x = time / {ref_impl}'s; anchors on the real",
+             "  MLA where ours is the proxy: compare those rows with care)",
+             f"{'B':>6} {'n':>3} | " + " | ".join(f"{i:>13} {'x':>5}" for i in impls)]
+    for B in Bs:
+        for n in ns:
+            row = {i: attn.get((B, n, "attention", i)) for i in impls}
+            if not any(row.values()):
+                continue
+            ref = row.get(ref_impl)
+            cells = []
+            for i in impls:
+                r = row[i]
+                t = r["median_s"] if r else None
+                ratio = t / ref["median_s"] if t and ref else None
+                cells.append(f"{_num(t * 1e6 if t else None):>13} {_num(ratio, '.2f'):>5}")
+            lines.append(f"{B:>6} {n:>3} | " + " | ".join(cells))
+    return lines
+
+
+def write_decode_step_plots(rows: list[dict], out_dir: str) -> list[str]:
+    """One PNG per (model preset, L) in out_dir: decode_step-<preset>-L<L>.png with step time vs
+    B (baseline and each n) and the EAGLE / baseline ratio vs B. Returns the paths written."""
+    import matplotlib
+
+    matplotlib.use("Agg")  # files only, no display
+    import matplotlib.pyplot as plt
+    import matplotlib.ticker  # noqa: F401  (matplotlib.ticker below)
+
+    paths = []
+    for (preset, L), g in _decode_groups(rows).items():
+        steps = g["steps"]
+        if not steps:
+            continue
+        layers = next(iter(steps.values()))["layers"]
+        ns = sorted({n for _, n in steps})
+        fig, (ax_t, ax_r) = plt.subplots(1, 2, figsize=(11, 4.5))
+        base = {B: r["median_s"] * layers for (B, n), r in steps.items() if n == 1}
+        for n in ns:
+            pts = sorted((B, r["median_s"] * layers) for (B, m), r in steps.items() if m == n)
+            label = "baseline (n=1)" if n == 1 else f"EAGLE n={n}"
+            style = dict(color="black", lw=2) if n == 1 else dict(lw=1.5)
+            ax_t.plot([b for b, _ in pts], [t * 1e3 for _, t in pts], "o-", ms=3, label=label, **style)
+            if n > 1:
+                ratio = [(b, t / base[b]) for b, t in pts if b in base]
+                ax_r.plot([b for b, _ in ratio], [x for _, x in ratio], "o-", ms=3, lw=1.5, label=label)
+        ax_t.set(xscale="log", yscale="log", xlabel="batch size B (requests per step)",
+                 ylabel=f"step time, ms (one layer x {layers})")
+        ax_r.set(xscale="log", xlabel="batch size B (requests per step)",
+                 ylabel="EAGLE step / baseline step (tau needed to tie)")
+        ax_r.axhline(1.0, color="black", lw=0.8)
+        Bs = sorted({B for B, _ in steps})
+        for ax in (ax_t, ax_r):
+            ax.set_xticks(Bs, [str(b) for b in Bs])  # the measured B, not powers of ten
+            ax.xaxis.set_minor_locator(matplotlib.ticker.NullLocator())
+            ax.grid(True, which="both", alpha=0.3)
+            ax.legend(fontsize=8)
+        ax_t.yaxis.set_major_locator(matplotlib.ticker.LogLocator(subs=(1.0, 2.0, 5.0)))  # 1-2-5 ms ticks
+        ax_t.yaxis.set_major_formatter(matplotlib.ticker.FuncFormatter(lambda v, _: f"{v:g}"))
+        ax_t.yaxis.set_minor_formatter(matplotlib.ticker.NullFormatter())
+        any_row = next(iter(steps.values()))
+        fig.suptitle(f"decode step, {any_row['model']} ({preset}), L={L}, {any_row['dtype']}, attention "
+                     f"{any_row['attention']} ({any_row['impl']}); allreduce not timed", fontsize=9)
+        fig.tight_layout()
+        path = os.path.join(out_dir, f"decode_step-{preset}-L{L}.png")
+        fig.savefig(path, dpi=110)
+        plt.close(fig)
+        paths.append(path)
+    return paths
+
+
 def _case_cols(B, L, n, heads, D, dtype) -> str:
     return f"{B:>4} {L:>6} {n:>3} {heads:>7} {D:>4} {dtype:<10}"
 
@@ -244,13 +407,20 @@ def _cells(us: str, gbps: str, pct: str, ratio: str) -> str:
 
 
 def main(argv: list[str]) -> int:
+    plots = None
+    if argv[:1] == ["--plots"] and len(argv) > 1:
+        plots, argv = argv[1], argv[2:]
     if not argv:
-        print("usage: python benchmarks/_timing.py RESULTS.json [MORE.json ...]", file=sys.stderr)
+        print("usage: python benchmarks/_timing.py [--plots DIR] RESULTS.json [MORE.json ...]", file=sys.stderr)
         return 2
     for path in argv:
         print(f"== {path}")
         rows = rows_from_json(path)
         print("\n".join(format_summary(rows)) if rows else "(no spec-kernels benchmark rows)")
+        if plots:
+            os.makedirs(plots, exist_ok=True)
+            for written in write_decode_step_plots(rows, plots):
+                print(f"plot -> {written}")
     return 0
 
 

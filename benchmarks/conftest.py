@@ -4,7 +4,8 @@
   read when a kernel is defined, so it is set here, before anything imports spec_kernels.
 * The preset (SPEC_KERNELS_BENCH_PRESET, see _timing.py) is validated once, at start-up.
 * The saved JSON's machine_info gets a "spec_kernels" entry: device, versions, preset, extension.
-* The session ends with a side-by-side summary table of what ran (_timing.format_summary).
+* The session ends with a side-by-side summary table of what ran (_timing.format_summary) and,
+  with --benchmark-json=PATH, the decode-step plots next to PATH (_timing.write_decode_step_plots).
 """
 import os
 import platform
@@ -97,3 +98,11 @@ def pytest_terminal_summary(terminalreporter, config):
     terminalreporter.write_sep("-", f"spec-kernels summary (preset {_timing.active_preset().name})")
     for line in _timing.format_summary(rows):
         terminalreporter.write_line(line)
+    json_file = config.getoption("benchmark_json", default=None)
+    if json_file is not None and any(r["kind"] == "decode_step" for r in rows):
+        out_dir = os.path.dirname(os.path.abspath(json_file.name))
+        try:
+            for path in _timing.write_decode_step_plots(rows, out_dir):
+                terminalreporter.write_line(f"plot -> {path}")
+        except ImportError:
+            terminalreporter.write_line("decode-step plots skipped: matplotlib is not installed")

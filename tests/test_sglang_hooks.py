@@ -17,7 +17,9 @@
 import logging
 import os
 import socket
+import queue as queue_module
 import sys
+import time
 import traceback
 from types import SimpleNamespace
 
@@ -291,18 +293,25 @@ def test_fused_allreduce_hook_on_two_tp_ranks(tmp_path):
     (dist / "METADATA").write_text("Metadata-Version: 2.1\nName: spec-kernels-hooks-check\nVersion: 0\n")
     (dist / "entry_points.txt").write_text("[sglang.srt.plugins]\nspecfused = spec_kernels.sglang.plugin:register\n")
     ctx = mp.get_context("spawn")
-    queue = ctx.SimpleQueue()
+    queue = ctx.Queue()
     port = _free_port()
     procs = [ctx.Process(target=_tp_worker, args=(r, WORLD, port, str(tmp_path), queue)) for r in range(WORLD)]
     for p in procs:
         p.start()
+    # Read before joining (a rank blocks until its report is read) and never wait unboundedly:
+    # a rank that dies without reporting must fail the test, not hang it.
+    results, deadline = [], time.monotonic() + TIMEOUT_S
+    try:
+        while len(results) < WORLD:
+            results.append(queue.get(timeout=max(1.0, deadline - time.monotonic())))
+    except queue_module.Empty:
+        pass
     for p in procs:
-        p.join(TIMEOUT_S)
-    alive = [p for p in procs if p.is_alive()]
-    for p in alive:
-        p.kill()
-    assert not alive, f"ranks did not finish within {TIMEOUT_S} s"
-    results = [queue.get() for _ in range(WORLD)]
+        p.join(10)
+        if p.is_alive():
+            p.kill()
+    codes = [p.exitcode for p in procs]
+    assert len(results) == WORLD, f"{len(results)} of {WORLD} ranks reported within {TIMEOUT_S} s (exit codes {codes})"
     errors = [f"rank {r}:\n{err}" for r, err, _ in results if err]
     assert not errors, "\n".join(errors)
     reports = dict((r, rep) for r, _, rep in results)
