@@ -16,7 +16,6 @@ all arithmetic is done in fp32: the interpreter's bf16 arithmetic is wrong.
 """
 from __future__ import annotations
 
-import os
 from typing import Optional
 
 import torch
@@ -24,6 +23,7 @@ import triton
 import triton.language as tl
 
 from .._ops import triton_interpreting
+from .._autotune import LazyAutotune
 from .launch_plan import MIN_SPLIT_KEYS
 from .launch_plan import max_rows as plan_max_rows
 from .launch_plan import num_kv_splits as plan_splits
@@ -223,22 +223,12 @@ def _prune_configs(configs, named_args, **kwargs):
     return kept or configs[:1]
 
 
-_tuned_kernel = None
-
-
-def _kernel_for_launch():
-    """The autotuned kernel on a GPU; under the interpreter (or with SPEC_KERNELS_TRITON_AUTOTUNE=0)
-    the plain kernel with a fixed BLOCK_N."""
-    global _tuned_kernel
-    if triton_interpreting() or os.environ.get("SPEC_KERNELS_TRITON_AUTOTUNE", "1") == "0":
-        return _tree_verify_fwd_kernel, True
-    if _tuned_kernel is None:
-        _tuned_kernel = triton.autotune(
-            configs=_autotune_configs(),
-            key=["max_rows", "GROUP", "D", "DV", "IS_DECODE", "PARTIAL", "BLOCK_M"],
-            prune_configs_by={"early_config_prune": _prune_configs},
-        )(_tree_verify_fwd_kernel)
-    return _tuned_kernel, False
+# The tiles searched per shape bucket (BLOCK_M comes from the rows per request).
+_kernel_for_launch = LazyAutotune(
+    _tree_verify_fwd_kernel, _autotune_configs,
+    key=["max_rows", "GROUP", "D", "DV", "IS_DECODE", "PARTIAL", "BLOCK_M"],
+    prune=_prune_configs,
+)
 
 
 def tree_verify_attention(
