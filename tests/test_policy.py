@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 
 from spec_kernels.policy import (
+    AllReduceCost,
     CostModel,
     Curve,
     SpecConfig,
@@ -145,6 +146,22 @@ def test_decode_step_benchmark_json_is_read_scaled_by_layers_with_draft_added(tm
     assert costs.step_time(1, 4) == pytest.approx(0.030 + 0.001)  # verify + draft, x 10 layers
     with pytest.raises(ValueError, match="differ in impl"):
         load_costs(path)
+
+
+def test_allreduce_cost_is_added_per_layer_and_can_flip_the_choice(tmp_path):
+    # One layer timed, 10 layers; the verify step's allreduce message is n = 4 times decode's.
+    doc = {"benchmarks": [bench_result("baseline", 8, 1, 1e-3, allreduce_bytes=8 * 1024),
+                          bench_result("eagle", 8, 4, 1.5e-3, allreduce_bytes=32 * 1024)]}
+    path = write(tmp_path / "bench.json", doc)
+    plain = load_costs(path)
+    ar = AllReduceCost(latency_s=10e-6, bytes_per_s=1e8)  # 10 us + bytes / 100 MB/s
+    costs = load_costs(path, allreduce=ar)
+    # 10 layers x 2 allreduces x (10 us + bytes / 1e8)
+    assert costs.step_time(8) == pytest.approx(0.010 + 20 * (10e-6 + 8 * 1024 / 1e8))
+    assert costs.step_time(8, 4) == pytest.approx(0.015 + 20 * (10e-6 + 32 * 1024 / 1e8))
+    chain = SpecConfig(n=4, tau=1.6, topk=1, label="chain-4")
+    assert predict(plain, [chain], 8).best == "chain-4"  # 1.6 tokens for 1.5x the time: wins
+    assert predict(costs, [chain], 8).best == "baseline"  # the 4x larger messages cost more than it gains
 
 
 def test_cost_file_and_acceptance_validation(tmp_path):

@@ -42,6 +42,7 @@ baseline, the tau each configuration would need to tie baseline, SGLang's
 ``--speculative-adaptive-config`` JSON (see ``model.sglang_adaptive_config``) and a PNG plot.
 """
 from .model import (
+    AllReduceCost,
     CostModel,
     Curve,
     SpecConfig,
@@ -53,6 +54,7 @@ from .model import (
 )
 
 __all__ = [
+    "AllReduceCost",
     "CostModel",
     "Curve",
     "SpecConfig",

@@ -12,6 +12,7 @@ import os
 import sys
 
 from .model import (
+    AllReduceCost,
     CostModel,
     SpecConfig,
     break_even_tau,
@@ -40,6 +41,16 @@ def _key_value(text: str) -> tuple[str, str]:
     return key, value
 
 
+def _allreduce(text: str) -> AllReduceCost:
+    try:
+        lat_us, gbps = (float(x) for x in text.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected LATENCY_US,GBPS (e.g. 36,25), got {text!r}") from None
+    if lat_us < 0 or gbps <= 0:
+        raise argparse.ArgumentTypeError(f"latency must be >= 0 and bandwidth > 0, got {text!r}")
+    return AllReduceCost(lat_us * 1e-6, gbps * 1e9)
+
+
 def parse_args(argv):
     p = argparse.ArgumentParser(prog="python -m spec_kernels.policy", description=__doc__.split("\n\n")[1],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -51,6 +62,9 @@ def parse_args(argv):
     p.add_argument("--select", type=_key_value, action="append", default=[], metavar="KEY=VALUE",
                    help="use only cost rows with this extra_info value (repeatable)")
     p.add_argument("--overhead-s", type=float, default=0.0, help="seconds added to every step of both modes")
+    p.add_argument("--allreduce", type=_allreduce, metavar="LATENCY_US,GBPS",
+                   help="add 2 tensor-parallel allreduces per layer to rows with allreduce_bytes: "
+                        "latency (us) + bytes / bandwidth (GB/s) each, e.g. 36,25 for NCCL over PCIe at TP8")
     p.add_argument("--interpolate-n", action="store_true",
                    help="allow tree sizes without EAGLE costs: linear in n between measured sizes (n=1: baseline)")
     p.add_argument("--draft-fixed-s", type=float, default=0.0,
@@ -126,7 +140,8 @@ def write_plot(path: str, costs: CostModel, configs: list[SpecConfig], max_B: in
 def main(argv=None) -> int:
     args = parse_args(argv)
     try:
-        costs = load_costs(args.costs, dict(args.select), args.overhead_s, args.interpolate_n, args.draft_fixed_s)
+        costs = load_costs(args.costs, dict(args.select), args.overhead_s, args.interpolate_n, args.draft_fixed_s,
+                           args.allreduce)
         configs, acc_description = load_acceptance(args.acceptance)
         concurrency = args.concurrency or costs.baseline.bs
         max_B = args.max_batch or max(concurrency)
@@ -140,6 +155,10 @@ def main(argv=None) -> int:
     print(f"acceptance: {args.acceptance}: {acc_description}")
     if args.overhead_s:
         print(f"overhead:   {args.overhead_s * 1e3:g} ms added to every step")
+    if args.allreduce:
+        ar = args.allreduce
+        print(f"allreduce:  {ar.per_layer} per layer, {ar.latency_s * 1e6:g} us + bytes / {ar.bytes_per_s / 1e9:g} GB/s "
+              "each, added to rows with allreduce_bytes")
     if args.interpolate_n:
         print(f"n without costs: linear in n from baseline + {args.draft_fixed_s * 1e3:g} ms at n = 1 "
               "to the measured sizes (--interpolate-n, --draft-fixed-s)")

@@ -20,6 +20,12 @@ Cost input, either of two JSON files (both become rows {mode, B, n, step_s, ...}
   "n": 1, "step_s": 0.0108}, ...]}``, step_s = seconds per whole decode step; other keys in a
   row are kept for provenance (and ``--select``).
 
+The tensor-parallel allreduce is not in a one-process decode-step measurement. With an
+`AllReduceCost` (latency + bytes / bandwidth per call, e.g. from benchmarks/test_allreduce_rmsnorm.py
+or the DESIGN card's NCCL figures), every row that carries ``allreduce_bytes`` (the message of one
+allreduce: rows x hidden x element size) gets ``layers x per_layer x (latency + bytes / bandwidth)``
+added to its step; the verify step's messages are n times larger than decode's.
+
 Acceptance input: ``{"description": "...", "configs": [{"n": 4, "tau": 2.18, "topk": 1,
 "label": "chain-4"}, ...]}``: n = draft tokens verified per request per step (SGLang's
 ``speculative_num_draft_tokens``), tau = mean tokens emitted per request per step including the
@@ -99,6 +105,21 @@ class CostModel:
         return t_lo + (t_hi - t_lo) * (n - lo) / (hi - lo)
 
 
+@dataclass(frozen=True)
+class AllReduceCost:
+    """Time of one tensor-parallel allreduce of `nbytes`: latency_s + nbytes / bytes_per_s."""
+
+    latency_s: float
+    bytes_per_s: float
+    per_layer: int = 2  # after attention's o_proj and after the MLP / MoE
+
+    def step_seconds(self, row: Mapping) -> float:
+        nbytes = float(row.get("allreduce_bytes") or 0)
+        if nbytes <= 0:
+            return 0.0
+        return int(row.get("layers", 1)) * self.per_layer * (self.latency_s + nbytes / self.bytes_per_s)
+
+
 def _bench_rows(data: dict) -> list[dict]:
     """Rows of the decode-step results of a pytest-benchmark JSON (see the module docstring)."""
     rows = []
@@ -119,9 +140,11 @@ def _describe_bench(data: dict, rows: list[dict]) -> str:
 
 
 def load_costs(path: str, select: Optional[Mapping[str, str]] = None, overhead_s: float = 0.0,
-               interpolate_n: bool = False, draft_fixed_s: float = 0.0) -> CostModel:
+               interpolate_n: bool = False, draft_fixed_s: float = 0.0,
+               allreduce: Optional[AllReduceCost] = None) -> CostModel:
     """A CostModel from a pytest-benchmark JSON or a cost file (formats: module docstring).
-    `select`: keep only rows whose key has this value (compared as strings)."""
+    `select`: keep only rows whose key has this value (compared as strings); `allreduce`: add
+    the allreduce time of rows that carry allreduce_bytes."""
     with open(path) as fh:
         data = json.load(fh)
     if "benchmarks" in data:
@@ -149,7 +172,8 @@ def load_costs(path: str, select: Optional[Mapping[str, str]] = None, overhead_s
             raise ValueError(f"{path}: two results for mode={mode} B={B} n={n} (they differ in "
                              f"{', '.join(differ) or 'nothing but their time'}); keep one with --select KEY=VALUE")
         seen[key] = r
-        points.setdefault((mode, n), {})[B] = float(r["step_s"])
+        step_s = float(r["step_s"]) + (allreduce.step_seconds(r) if allreduce else 0.0)
+        points.setdefault((mode, n), {})[B] = step_s
     if ("baseline", 1) not in points:
         raise ValueError(f"{path}: no baseline costs" + (f" with {select}" if select else ""))
     eagle: dict[int, list[Curve]] = {}
