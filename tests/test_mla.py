@@ -14,7 +14,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 import spec_kernels
 from spec_kernels.mla import mla_decode_attention, mla_tree_verify_attention, triton_kernel
 from spec_kernels.mla.api import MLA
-from tree_cases import ancestor_mask_bits, ancestors, random_parents
+from tree_cases import ancestor_mask_bits, random_parents, visible_slots
 
 ATOL = 2e-3  # fp32 compute
 
@@ -68,25 +68,11 @@ def naive_mla(case: MlaCase, sm_scale=None, decode=False):
     scale = sm_scale if sm_scale is not None else 1 / math.sqrt(D)
     out = torch.zeros(T, H, dv, dtype=torch.float64)
     lse = torch.full((T, H), -math.inf, dtype=torch.float64)
-    kv_ptr = case.kv_indptr.tolist()
-    qo = list(range(len(kv_ptr))) if decode else case.qo_indptr.tolist()
-    par = case.parents.tolist()
-    for b in range(len(kv_ptr) - 1):
-        slots = case.kv_indices[kv_ptr[b]:kv_ptr[b + 1]].long()
-        n = qo[b + 1] - qo[b]
-        prefix = len(slots) - n
-        for i in range(n):
-            if decode:
-                visible = list(range(len(slots)))
-            else:
-                visible = list(range(prefix)) + [prefix + j for j in sorted(ancestors(par[qo[b]:qo[b + 1]], i))]
-            if not visible:
-                continue
-            latent, rope = kv[slots[visible], :dv], kv[slots[visible], dv:]
-            t = qo[b] + i
-            s = (q[t, :, :dv] @ latent.T + q[t, :, dv:] @ rope.T) * scale  # [H, visible]
-            out[t] = torch.softmax(s, -1) @ latent
-            lse[t] = torch.logsumexp(s, -1)
+    for t, rows in visible_slots(case, decode):
+        latent, rope = kv[rows, :dv], kv[rows, dv:]
+        s = (q[t, :, :dv] @ latent.T + q[t, :, dv:] @ rope.T) * scale  # [H, visible]
+        out[t] = torch.softmax(s, -1) @ latent
+        lse[t] = torch.logsumexp(s, -1)
     return out, lse
 
 

@@ -92,15 +92,10 @@ def ancestor_mask_bits(parents: torch.Tensor, qo_indptr: torch.Tensor) -> torch.
     return torch.tensor(words, dtype=torch.int64)
 
 
-def naive_attention(case: Case, sm_scale: float | None = None, decode: bool = False):
-    """Float64 softmax attention with a dense boolean mask over each request's whole KV,
-    written independently of spec_kernels' reference (no bit tricks, no log-sum-exp)."""
-    q, k, v = case.q.double(), case.k_cache.double(), case.v_cache.double()
-    T, hq, d = q.shape
-    group = hq // k.shape[1]
-    scale = sm_scale if sm_scale is not None else 1 / math.sqrt(d)
-    out = torch.zeros(T, hq, v.shape[2], dtype=torch.float64)
-    lse = torch.full((T, hq), -math.inf, dtype=torch.float64)
+def visible_slots(case, decode: bool = False):
+    """Yield (query token, slot ids it sees) from the definition: the request's whole prefix plus
+    the slots of the draft itself and its ancestors (decode: every slot of the request). Queries
+    that see nothing are skipped. `case` needs kv_indptr, kv_indices, qo_indptr and parents."""
     kv = case.kv_indptr.tolist()
     qo = list(range(len(kv))) if decode else case.qo_indptr.tolist()
     par = case.parents.tolist()
@@ -114,13 +109,22 @@ def naive_attention(case: Case, sm_scale: float | None = None, decode: bool = Fa
             else:
                 seen = ancestors(par[qo[b]:qo[b + 1]], i)
                 visible = list(range(prefix)) + [prefix + j for j in sorted(seen)]
-            if not visible:
-                continue
-            rows = slots[visible]
-            for h in range(hq):
-                kh = k[rows, h // group]
-                s = (kh @ q[qo[b] + i, h]) * scale
-                w = torch.softmax(s, 0)
-                out[qo[b] + i, h] = w @ v[rows, h // group]
-                lse[qo[b] + i, h] = torch.logsumexp(s, 0)
+            if visible:
+                yield qo[b] + i, slots[visible]
+
+
+def naive_attention(case: Case, sm_scale: float | None = None, decode: bool = False):
+    """Float64 softmax attention with a dense list of visible slots per query, written
+    independently of spec_kernels' reference (no bit tricks, no log-sum-exp)."""
+    q, k, v = case.q.double(), case.k_cache.double(), case.v_cache.double()
+    T, hq, d = q.shape
+    group = hq // k.shape[1]
+    scale = sm_scale if sm_scale is not None else 1 / math.sqrt(d)
+    out = torch.zeros(T, hq, v.shape[2], dtype=torch.float64)
+    lse = torch.full((T, hq), -math.inf, dtype=torch.float64)
+    for t, rows in visible_slots(case, decode):
+        for h in range(hq):
+            s = (k[rows, h // group] @ q[t, h]) * scale
+            out[t, h] = torch.softmax(s, 0) @ v[rows, h // group]
+            lse[t, h] = torch.logsumexp(s, 0)
     return out, lse
