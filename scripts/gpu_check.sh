@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# scripts/gpu_check.sh OUTDIR: build, GPU tests and benchmarks on a GPU machine, in one bounded run.
+# scripts/gpu_check.sh OUTDIR [ARCHIVE.tar.gz]: build, GPU tests and benchmarks on a GPU machine,
+# in one bounded run.
 #
 # Made for the device machine of shared/ENV.md (one GPU; python with torch, triton, pytest,
 # pytest-benchmark, ninja; nvcc; NO internet, so nothing is downloaded). Runs in the repository
@@ -13,6 +14,10 @@
 #   memcheck.log                   compute-sanitizer memcheck over scripts/sanitizer_case.py
 #   <name>.json bench-<name>.log   pytest-benchmark of benchmarks/test_<name>.py (each module)
 #   summary.txt                    the summary printed last
+# With ARCHIVE, the whole OUTDIR is also packed into that one .tar.gz at the end: the device tool
+# brings back at most 8 files from its $OUT, and this script writes about 25. On the device machine:
+#   bash scripts/gpu_check.sh /tmp/gpu_check "$OUT/gpu_check.tar.gz"; cp /tmp/gpu_check/summary.txt "$OUT/"
+# then here: python scripts/save_gpu_results.py gpu_check.tar.gz (files them under benchmarks/results/).
 # Every step is bounded by `timeout` so that the whole run ends within GPU_CHECK_BUDGET_S
 # (default 450 s, under the 8 minutes a device check gets); a failed step is recorded and the
 # next one still runs (Triton results come back even when the CUDA build fails). The exit code
@@ -23,12 +28,17 @@
 # autotuning: faster start, untuned kernels); PYTHON; MAX_JOBS (parallel nvcc jobs).
 set -euo pipefail
 
-if [[ $# -ne 1 ]]; then
-  echo "usage: $0 OUTDIR" >&2
+if [[ $# -lt 1 || $# -gt 2 ]]; then
+  echo "usage: $0 OUTDIR [ARCHIVE.tar.gz]" >&2
   exit 2
 fi
 mkdir -p "$1"
 OUT=$(cd "$1" && pwd)
+ARCHIVE=${2:-}
+if [[ -n "$ARCHIVE" ]]; then
+  mkdir -p "$(dirname "$ARCHIVE")"
+  ARCHIVE="$(cd "$(dirname "$ARCHIVE")" && pwd)/$(basename "$ARCHIVE")"
+fi
 cd "$(dirname "$0")/.."
 REPO=$(pwd)
 PY=${PYTHON:-$(command -v python || command -v python3 || true)}
@@ -154,6 +164,9 @@ EOF
   fi
 }
 summarize 2>&1 | tee "$OUT/summary.txt"
+if [[ -n "$ARCHIVE" ]]; then
+  tar -czf "$ARCHIVE" -C "$(dirname "$OUT")" "$(basename "$OUT")" && echo "archive: $ARCHIVE ($(du -h "$ARCHIVE" | cut -f1))"
+fi
 
 # Fail if any step did (no gpu-marked tests, rc 5, is not a failure).
 awk -F'\t' 'NR > 1 && $2 != 0 && $2 != 5 { bad = 1 } END { exit bad }' "$OUT/steps.tsv"
