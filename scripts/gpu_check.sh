@@ -25,7 +25,8 @@
 #
 # Knobs: GPU_CHECK_BUDGET_S; SPEC_KERNELS_CUDA_ARCHS (default: this GPU's arch, e.g. 9.0a);
 # SPEC_KERNELS_BENCH_PRESET (default gpu-quick); SPEC_KERNELS_TRITON_AUTOTUNE=0 (no Triton
-# autotuning: faster start, untuned kernels); PYTHON; MAX_JOBS (parallel nvcc jobs).
+# autotuning in the benchmarks too: faster start, untuned kernels); GPU_CHECK_TEST_WORKERS
+# (pytest-xdist workers for the kernel tests, default 8); PYTHON; MAX_JOBS (parallel nvcc jobs).
 set -euo pipefail
 
 if [[ $# -lt 1 || $# -gt 2 ]]; then
@@ -113,7 +114,18 @@ step build       240  200  "$OUT/build.log"        bash -c build_extension
 step info         30  180  "$OUT/info.txt"         "$PY" -m spec_kernels.info
 # Kernel tests first; the multi-process communicator tests (ranks sharing the GPU) get their own
 # bounded step so that a slow or hanging rank cannot eat the kernels' time.
-step gpu-tests   150  200  "$OUT/gpu-tests.log"    "$PY" -m pytest -m gpu tests/ -q -p no:cacheprovider \
+# Parallel workers (pytest-xdist, where installed) spread Triton's compiles over the cores, and a
+# kernel that faults takes down only its worker (tests/conftest.py), not every later test. Autotuning
+# is off here (one compile per shape instead of six; tests/*::test_gpu_triton_autotuned_* cover it).
+PYTEST_PAR=()
+if "$PY" -c "import xdist" 2> /dev/null; then
+  PYTEST_PAR=(-n "${GPU_CHECK_TEST_WORKERS:-8}" --max-worker-restart 32)
+fi
+if "$PY" -c "import pytest_timeout" 2> /dev/null; then
+  PYTEST_PAR+=(--timeout 120)
+fi
+step gpu-tests   150  200  "$OUT/gpu-tests.log"    env SPEC_KERNELS_TRITON_AUTOTUNE=0 \
+                                                       "$PY" -m pytest -m gpu tests/ -q -p no:cacheprovider "${PYTEST_PAR[@]}" \
                                                        --ignore=tests/test_comm.py --junitxml="$OUT/gpu-tests.xml"
 step gpu-comm     90  150  "$OUT/gpu-comm.log"     "$PY" -m pytest -m gpu tests/test_comm.py -q -p no:cacheprovider \
                                                        --junitxml="$OUT/gpu-comm.xml"
