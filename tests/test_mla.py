@@ -377,6 +377,18 @@ def test_gpu_triton_autotuned_matches_reference(monkeypatch, dtype):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("ns", [[], [0, 0]], ids=["no-request", "no-draft"])
+def test_gpu_empty_batches(ns):
+    # T = 0 must return an empty output on every impl (CUDA launches nothing), not fail its checks.
+    case = make_mla_case(ns, [5] * len(ns), heads=8, dtype=torch.bfloat16, seed=11, device="cuda")
+    for impl in ("cuda", "triton", "reference"):
+        out, lse = mla_tree_verify_attention(*case.args, return_lse=True, impl=impl)
+        assert out.shape == (0, 8, 512) and lse.shape == (0, 8)
+        if not ns:
+            assert mla_decode_attention(*case.decode_args, impl=impl).shape == (0, 8, 512)
+
+
+@pytest.mark.gpu
 def test_gpu_cuda_is_the_default_and_graph_capturable():
     case = make_mla_case([16, 3, 9], [5000, 70, 0], heads=16, dtype=torch.bfloat16, seed=15, device="cuda")
     assert MLA.select(case.q.device, None, args=(case.q, case.kv_cache, 512))[0] == "cuda"

@@ -232,6 +232,19 @@ def test_gpu_triton_autotuned_matches_reference(monkeypatch, dtype):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("ns", [[], [0, 0]], ids=["no-request", "no-draft"])
+def test_gpu_empty_batches(ns):
+    # T = 0 must return an empty output on every impl (CUDA launches nothing), not fail its checks.
+    case = make_case(ns, [5] * len(ns), hq=8, hkv=2, d=128, dtype=torch.bfloat16, seed=11, device="cuda")
+    for impl in ("cuda", "triton", "reference"):
+        out, lse = spec_kernels.tree_verify_attention(*case.args, return_lse=True, impl=impl)
+        assert out.shape == (0, 8, 128) and lse.shape == (0, 8)
+        if not ns:
+            args = (case.q, case.k_cache, case.v_cache, case.kv_indptr, case.kv_indices)
+            assert spec_kernels.decode_attention(*args, impl=impl).shape == (0, 8, 128)
+
+
+@pytest.mark.gpu
 def test_gpu_cuda_is_the_default_for_half_inputs():
     from spec_kernels.tree_verify.api import TREE_VERIFY
 

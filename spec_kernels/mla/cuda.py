@@ -1,6 +1,6 @@
 """CUDA binding of MLA tree-verify attention: sizes the launch, allocates the split buffers and calls
 torch.ops.spec_kernels_cuda.mla_tree_verify_attention (csrc/mla/mla_tree_verify_attention.cu,
-host checks in csrc/mla/ops_snippet.cpp.txt until merged into csrc/ops.cpp)."""
+host checks in csrc/ops.cpp)."""
 from __future__ import annotations
 
 from typing import Optional
@@ -35,6 +35,8 @@ def mla_tree_verify_attention(q, kv_cache, kv_indptr, kv_indices, qo_indptr, tre
                               out, lse, num_kv_splits=0, max_draft_tokens=0) -> None:
     T, H, _ = q.shape
     B = kv_indptr.numel() - 1
+    if T == 0 or B == 0:  # nothing to compute (every n_b = 0, or no request); a 0-row grid is no launch
+        return
     rows = max_rows(T, H, qo_indptr is None, max_draft_tokens)
     splits = num_kv_splits or plan_splits(q.device, B, 1, rows, block_m(rows))
     o_partial = lse_partial = None

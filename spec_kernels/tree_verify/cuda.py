@@ -30,6 +30,8 @@ def tree_verify_attention(q, k_cache, v_cache, kv_indptr, kv_indices, qo_indptr,
     T, Hq, D = q.shape
     Hkv = k_cache.shape[1]
     B = kv_indptr.numel() - 1
+    if T == 0 or B == 0:  # nothing to compute (every n_b = 0, or no request); a 0-row grid is no launch
+        return
     rows = max_rows(T, Hq // Hkv, qo_indptr is None, max_draft_tokens)
     splits = num_kv_splits or plan_splits(q.device, B, Hkv, rows, BLOCK_M)
     o_partial = lse_partial = None

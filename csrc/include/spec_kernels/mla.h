@@ -1,5 +1,5 @@
-// Host interface of the CUDA MLA tree-verify attention kernel (no torch types; see
-// csrc/mla/ops_snippet.cpp.txt for the torch wrapper).
+// Host interface of the CUDA MLA tree-verify attention kernel (no torch types; the torch wrapper
+// is mla_tree_verify_attention in csrc/ops.cpp).
 #pragma once
 
 #include <cstdint>
