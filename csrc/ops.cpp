@@ -48,7 +48,7 @@ void tree_mask_from_parents(const at::Tensor& parents, const at::Tensor& qo_indp
   const c10::cuda::CUDAGuard guard(parents.device());
   check_launch(spec_kernels::launch_tree_mask_from_parents(
                    parents.data_ptr<int64_t>(), qo_indptr.data_ptr<int32_t>(),
-                   tree_mask.data_ptr<int64_t>(), static_cast<int>(qo_indptr.numel() - 1),
+                   tree_mask.data_ptr<int64_t>(), static_cast<int>(qo_indptr.numel() - 1), parents.numel(),
                    c10::cuda::getCurrentCUDAStream(parents.get_device()).stream()),
                "tree_mask_from_parents");
 }
@@ -126,6 +126,8 @@ void tree_verify_attention(const at::Tensor& q, const at::Tensor& k_cache, const
                 "o_partial and lse_partial must be float32");
     check_shape(*o_partial, "o_partial", {num_splits, T, Hq, D});
     check_shape(*lse_partial, "lse_partial", {num_splits, T, Hq});
+    // The kernel stores o_partial in 8-byte pairs.
+    TORCH_CHECK(reinterpret_cast<uintptr_t>(o_partial->data_ptr()) % 8 == 0, "o_partial must be 8-byte aligned");
   }
   // cp.async moves 16-byte chunks of q/k/v rows; a view with an odd storage offset would fault.
   for (const auto& [t, name] : {std::pair{&q, "q"}, {&k_cache, "k_cache"}, {&v_cache, "v_cache"}, {&out, "out"}}) {
@@ -240,6 +242,8 @@ void mla_tree_verify_attention(const at::Tensor& q, const at::Tensor& kv_cache, 
   if (num_splits > 1) {
     check_mla_buffer(*o_partial, "o_partial", dev, at::kFloat, {num_splits, T, H, kMlaVHeadDim});
     check_mla_buffer(*lse_partial, "lse_partial", dev, at::kFloat, {num_splits, T, H});
+    TORCH_CHECK(reinterpret_cast<uintptr_t>(o_partial->data_ptr()) % 8 == 0,
+                "o_partial must be 8-byte aligned (the kernel stores pairs of floats)");
   }
   TORCH_CHECK(min_chunk >= 0 && min_chunk % 16 == 0 && min_chunk < (int64_t{1} << 30),
               "min_chunk must be a multiple of 16 in [0, 2^30), got ", min_chunk);
@@ -542,6 +546,19 @@ void fused_allreduce(int64_t algorithm, int64_t rank, at::IntArrayRef bases, int
     TORCH_CHECK(std::isfinite(eps) && eps >= 0, "eps must be finite and >= 0, got ", eps);
   }
   check_like(out, "out", x, out_scale.has_value() ? at::kFloat8_e4m3fn : x.scalar_type());
+  // The kernels move 16-byte vectors (8-byte ones of an fp8 out); launch() refuses misaligned
+  // pointers too, but only here can the error name the tensor.
+  const auto check_aligned = [](const at::Tensor& t, const char* name, uintptr_t bytes) {
+    TORCH_CHECK(reinterpret_cast<uintptr_t>(t.data_ptr()) % bytes == 0, name, " must be ", bytes,
+                "-byte aligned (the kernels move whole vectors); got a view at an odd offset");
+  };
+  check_aligned(x, "x", 16);
+  check_aligned(out, "out", out_scale.has_value() ? 8 : 16);
+  if (fused) {
+    check_aligned(*residual, "residual", 16);
+    check_aligned(*weight, "weight", 16);
+    check_aligned(*residual_out, "residual_out", 16);
+  }
   ar::Call call{};
   call.algorithm = static_cast<int>(algorithm);
   call.world = static_cast<int>(world);

@@ -23,6 +23,8 @@ def _run(args, tmp_path, **env):
            **env}
     for key in ("SPEC_KERNELS_DECODE_MODELS", "SPEC_KERNELS_DECODE_L"):  # the tiny grid, unchanged
         env.pop(key, None)
+    for key in [k for k in env if k.startswith("PYTEST_XDIST")]:  # under xdist, pytest-benchmark would
+        env.pop(key)                                                # disable the child's benchmarks
     proc = subprocess.run([sys.executable, *args], cwd=tmp_path, env=env, capture_output=True, text=True,
                           timeout=900)
     assert proc.returncode == 0, f"{args[:3]} failed ({proc.returncode}):\n{proc.stdout[-6000:]}\n{proc.stderr[-3000:]}"

@@ -430,8 +430,9 @@ def test_gpu_random_sequences_match_reference(page_size, seed, debug_checks):
 def test_gpu_many_requests_and_buffers(page_size):
     """Batches larger than a CUDA tile (1024 requests); more KV buffers than warps in a block."""
     def make(slots, device):
-        kv = torch.randn(slots, 2, 8, 64, dtype=torch.bfloat16).to(device)
-        return [kv[:, i % 2] for i in range(66)] + [torch.randn(slots, 3, dtype=torch.float16).to(device)]
+        # 66 distinct strided views (rows of 64 bytes: ~100k slots stay small) plus one odd-sized buffer.
+        kv = torch.randn(slots, 66, 2, 16, dtype=torch.bfloat16).to(device)
+        return [kv[:, i] for i in range(66)] + [torch.randn(slots, 3, dtype=torch.float16).to(device)]
 
     B = 2100
     sim = Sim(GPU_IMPLS, num_pages=B * -(-48 // page_size) + 64, page_size=page_size, rows=B, max_context=48,

@@ -41,7 +41,7 @@ constexpr int kPushSlots = 3;
 
 struct BlockState {  // this rank's progress, per block; never read by peers
   uint32_t seq;             // calls through these buffers
-  uint32_t push_seq;        // push calls
+  uint32_t push_slot;       // slot of the last push call (0 before the first)
   uint32_t last_push_rows;  // rows of the last push call (to re-fill with the sentinel)
   uint32_t unused;
 };
@@ -337,8 +337,11 @@ __global__ void __launch_bounds__(1024, 1) oneshot_push_kernel(const Params p) {
   const int nvec = p.hidden / VEC;
   const size_t rb = row_bytes(p, sizeof(T));
   BlockState* st = &signals_of(p, p.rank)->state[blockIdx.x];
-  const uint32_t seq = st->seq + 1, push_seq = st->push_seq + 1;
-  const int slot = push_seq % kPushSlots, prev = (push_seq + kPushSlots - 1) % kPushSlots;
+  // The slot is counted modulo kPushSlots, not derived from a uint32 call count: 2^32 is not a
+  // multiple of 3, so at the wrap (days of decoding) two consecutive calls would share a slot
+  // that was never re-armed and read the previous call's data as this call's.
+  const uint32_t seq = st->seq + 1;
+  const int prev = static_cast<int>(st->push_slot % kPushSlots), slot = (prev + 1) % kPushSlots;
   char* mine = p.bases[p.rank];
 
   // Re-arm the previous push call's rows with the sentinel; peers write that slot again only two
@@ -410,7 +413,7 @@ __global__ void __launch_bounds__(1024, 1) oneshot_push_kernel(const Params p) {
   __syncthreads();
   if (threadIdx.x == 0) {
     st->seq = seq;
-    st->push_seq = push_seq;
+    st->push_slot = slot;
     st->last_push_rows = p.rows;
   }
 }
@@ -472,6 +475,15 @@ cudaError_t launch(const Call& c, cudaStream_t stream) {
                         c.algorithm >= kOneShotPush && c.algorithm <= kTwoShot;
   if (!sizes_ok || (c.dtype != NormDType::kFloat16 && c.dtype != NormDType::kBFloat16))
     return cudaErrorInvalidValue;
+  // Every tensor is accessed with 16-byte vectors (an fp8 out with 8-byte ones); a misaligned
+  // pointer would fault in the kernel (a sticky error that kills the context): refuse it here.
+  const auto aligned = [](const void* ptr, uintptr_t a) {
+    return reinterpret_cast<uintptr_t>(ptr) % a == 0;
+  };
+  if (!aligned(c.x, 16) || !aligned(c.out, c.fused && c.fp8_out ? 8 : 16) ||
+      (c.fused && (!aligned(c.residual, 16) || !aligned(c.weight, 16) ||
+                   !aligned(c.residual_out, 16))))
+    return cudaErrorMisalignedAddress;
   const int64_t bytes = c.rows * c.hidden * 2;
   if (bytes > c.max_bytes || (c.algorithm == kOneShotPush && bytes > c.push_bytes) ||
       bytes >= (int64_t{1} << 28))

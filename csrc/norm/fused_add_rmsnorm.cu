@@ -12,10 +12,11 @@ using norm::load_vec;
 
 template <typename T, typename OutT, int VEC, int ITEMS>
 __global__ void __launch_bounds__(1024)
-    fused_add_rmsnorm_kernel(const T* __restrict__ x, const T* __restrict__ residual,
-                             const T* __restrict__ weight, OutT* out, T* residual_out, int hidden,
-                             float eps, float inv_scale) {
-  // No __restrict__ on the outputs: out may be x and residual_out may be residual.
+    fused_add_rmsnorm_kernel(const T* x, const T* residual, const T* __restrict__ weight,
+                             OutT* out, T* residual_out, int hidden, float eps, float inv_scale) {
+  // __restrict__ only on weight: out may be x (or residual) and residual_out may be residual (or
+  // x), so promising the compiler that x / residual are never written (ld.global.nc, free to be
+  // re-loaded after the stores) would be undefined behaviour for the documented in-place use.
   const int64_t row_start = static_cast<int64_t>(blockIdx.x) * hidden;
   const int nvec = hidden / VEC;
   float h[ITEMS][VEC];

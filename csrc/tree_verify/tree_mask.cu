@@ -7,10 +7,13 @@ namespace {
 
 __global__ void tree_mask_from_parents_kernel(const int64_t* __restrict__ parents,
                                               const int32_t* __restrict__ qo_indptr,
-                                              int64_t* __restrict__ tree_mask) {
-  const int start = qo_indptr[blockIdx.x];
-  const int n = qo_indptr[blockIdx.x + 1] - start;
-  for (int i = threadIdx.x; i < n; i += blockDim.x) {
+                                              int64_t* __restrict__ tree_mask, int64_t num_tokens) {
+  const int64_t start = qo_indptr[blockIdx.x];
+  const int64_t n = qo_indptr[blockIdx.x + 1] - start;
+  // A malformed qo_indptr (values unchecked on the GPU unless in debug mode) must not take a token
+  // outside [0, num_tokens): such requests are left unwritten.
+  if (start < 0) return;
+  for (int64_t i = threadIdx.x; i < n && start + i < num_tokens; i += blockDim.x) {
     uint64_t bits = 0;
     int64_t j = i;
     // Parents precede children, so the walk strictly descends and ends within 64 steps. A
@@ -28,11 +31,11 @@ __global__ void tree_mask_from_parents_kernel(const int64_t* __restrict__ parent
 }  // namespace
 
 cudaError_t launch_tree_mask_from_parents(const int64_t* parents, const int32_t* qo_indptr,
-                                          int64_t* tree_mask, int num_requests,
+                                          int64_t* tree_mask, int num_requests, int64_t num_tokens,
                                           cudaStream_t stream) {
   if (num_requests == 0) return cudaSuccess;
   tree_mask_from_parents_kernel<<<num_requests, kMaxDraftTokens, 0, stream>>>(parents, qo_indptr,
-                                                                             tree_mask);
+                                                                             tree_mask, num_tokens);
   return cudaGetLastError();
 }
 

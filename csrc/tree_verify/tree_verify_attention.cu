@@ -97,10 +97,12 @@ __global__ void __launch_bounds__(kThreads) tree_verify_kernel(const TreeVerifyP
   for (int i = threadIdx.x; i < kBlockM * kChunks; i += kThreads) {
     const int r = i / kChunks, c = i % kChunks;
     const int row = row0 + r;
-    const bool valid = r < rows_here && q_start + row / group < p.num_tokens;
+    // token >= 0: a negative qo_indptr value (unchecked on the GPU) must not read before q.
+    const int64_t token = static_cast<int64_t>(q_start) + row / group;
+    const bool valid = r < rows_here && token >= 0 && token < p.num_tokens;
     const T* src = q;
     if (valid) {
-      src = q + (q_start + row / group) * p.q_stride_t + (kv_head * group + row % group) * p.q_stride_h + c * 8;
+      src = q + token * p.q_stride_t + (kv_head * group + row % group) * p.q_stride_h + c * 8;
     }
     cp_async_16(smem_addr(s_q + swizzled<kChunks>(r, c)), src, valid);
   }
@@ -115,9 +117,11 @@ __global__ void __launch_bounds__(kThreads) tree_verify_kernel(const TreeVerifyP
     T* dst_v = s_v + stage * kStageKeys * D;
     for (int i = threadIdx.x; i < kStageKeys * kChunks; i += kThreads) {
       const int r = i / kChunks, c = i % kChunks;
-      // Malformed indices (unchecked on the GPU unless in debug mode) are skipped, never followed.
-      const bool in_range = base + r < end && kv_start + base + r < p.num_indices;
-      const int64_t slot = in_range ? load_slot(p, kv_start + base + r) : 0;
+      // Malformed indices (unchecked on the GPU unless in debug mode) are never followed: such a key
+      // reads as zeros, so the output stays finite and in bounds (its value is unspecified).
+      const int64_t at = kv_start + base + r;  // at >= 0: a negative kv_indptr value is skipped too
+      const bool in_range = base + r < end && at >= 0 && at < p.num_indices;
+      const int64_t slot = in_range ? load_slot(p, at) : 0;
       const bool valid = in_range && slot >= 0 && slot < p.num_slots;
       cp_async_16(smem_addr(dst_k + swizzled<kChunks>(r, c)), k_cache + slot * p.k_stride_s + c * 8, valid);
       cp_async_16(smem_addr(dst_v + swizzled<kChunks>(r, c)), v_cache + slot * p.v_stride_s + c * 8, valid);
@@ -132,8 +136,8 @@ __global__ void __launch_bounds__(kThreads) tree_verify_kernel(const TreeVerifyP
     const int r = wm * 16 + g + h * 8;
     row_mask[h] = ~0ull;  // decode: the single tail key is the query's own token
     if (p.tree_mask != nullptr) {
-      const int token = q_start + (row0 + r) / group;
-      row_mask[h] = r < rows_here && token < p.num_tokens ? static_cast<uint64_t>(p.tree_mask[token]) : 0ull;
+      const int64_t token = static_cast<int64_t>(q_start) + (row0 + r) / group;
+      row_mask[h] = r < rows_here && token >= 0 && token < p.num_tokens ? static_cast<uint64_t>(p.tree_mask[token]) : 0ull;
     }
   }
   float m_i[2] = {-INFINITY, -INFINITY};
@@ -191,7 +195,8 @@ __global__ void __launch_bounds__(kThreads) tree_verify_kernel(const TreeVerifyP
         if (!full) {
           const int pos = base + key0 + j * 8 + t4 * 2 + (e & 1);
           bool visible = pos < end;
-          if (is_tail && visible) visible = (row_mask[e >> 1] >> (pos - prefix_len)) & 1ull;
+          // min(.., 63): n_b > 64 (invalid, unchecked on the GPU) must not shift by >= 64 (UB); as Triton.
+          if (is_tail && visible) visible = (row_mask[e >> 1] >> min(pos - prefix_len, 63)) & 1ull;
           x = visible ? x : -INFINITY;
         }
         s[j][e] = x;
@@ -299,8 +304,8 @@ __global__ void __launch_bounds__(kThreads) tree_verify_kernel(const TreeVerifyP
     const int r = wm * 16 + g + h * 8;
     if (r >= rows_here) continue;
     const int row = row0 + r;
-    const int64_t token = q_start + row / group;
-    if (token >= p.num_tokens) continue;
+    const int64_t token = static_cast<int64_t>(q_start) + row / group;
+    if (token < 0 || token >= p.num_tokens) continue;  // never write outside out / lse / partials
     const int head = kv_head * group + row % group;
     const bool seen = l_i[h] > 0.f;
     const float inv_l = seen ? 1.f / l_i[h] : 0.f;

@@ -37,7 +37,7 @@ import torch
 import torch.distributed as dist
 
 from .._checks import check_shape, check_tensor
-from ..norm.api import MAX_HIDDEN, check_norm_args, fused_add_rmsnorm
+from ..norm.api import MAX_HIDDEN, _check_no_partial_overlap, check_norm_args, fused_add_rmsnorm
 from . import selection
 from .selection import ALGORITHMS, CUDA_ALGORITHMS, AlgorithmChoice
 
@@ -149,13 +149,16 @@ class FusedAllReduce:
     def all_reduce(self, x: torch.Tensor, *, out: Optional[torch.Tensor] = None) -> torch.Tensor:
         """The sum of x over the group's ranks, in x's dtype ([tokens, hidden], contiguous)."""
         self._check_x(x)
+        given = out is not None
         out = self._out(out, "out", x, x.dtype)
+        if given:  # out may be x (in place), not partly overlap it
+            _check_no_partial_overlap(out, "out", {"x": x}, may_equal=True)
         algo = self._begin(x, "all_reduce")
         if algo == "torch":
             out.copy_(x)
             self._torch_all_reduce(out)
         else:
-            self._ipc.run(algo, x, self._seq, out=out)
+            self._run_ipc(algo, x, out=out)
         return out
 
     def all_reduce_add_rmsnorm(
@@ -178,8 +181,15 @@ class FusedAllReduce:
         """
         self._check_x(x)
         check_norm_args(x, residual, weight, eps, out_scale)
+        given = out is not None or residual_out is not None
         out = self._out(out, "out", x, torch.float8_e4m3fn if out_scale is not None else x.dtype)
         residual_out = self._out(residual_out, "residual_out", x, x.dtype)
+        if given:  # the aliasing fused_add_rmsnorm allows (checked here for the CUDA paths too)
+            inputs = {"x": x, "residual": residual}
+            _check_no_partial_overlap(out, "out", inputs, may_equal=True)
+            _check_no_partial_overlap(residual_out, "residual_out", inputs, may_equal=True)
+            _check_no_partial_overlap(residual_out, "residual_out", {"out": out, "weight": weight}, may_equal=False)
+            _check_no_partial_overlap(out, "out", {"weight": weight}, may_equal=False)
         algo = self._begin(x, "all_reduce_add_rmsnorm")
         if algo == "torch":
             summed = self._scratch_rows(x.shape[0])
@@ -188,8 +198,8 @@ class FusedAllReduce:
             fused_add_rmsnorm(summed, residual, weight, eps, out=out, residual_out=residual_out,
                               out_scale=out_scale)
         else:
-            self._ipc.run(algo, x, self._seq, out=out, residual=residual, weight=weight, eps=float(eps),
-                          residual_out=residual_out, out_scale=out_scale)
+            self._run_ipc(algo, x, out=out, residual=residual, weight=weight, eps=float(eps),
+                         residual_out=residual_out, out_scale=out_scale)
         return out, residual_out
 
     def synchronize(self) -> None:
@@ -273,6 +283,15 @@ class FusedAllReduce:
                 self._fail("ranks disagree on the message; no data was exchanged:\n" +
                            "\n".join(f"  rank {i}: {_describe(r)}" for i, r in enumerate(rows)))
         return self._algo
+
+    def _run_ipc(self, algo: str, x: torch.Tensor, **kwargs) -> None:
+        """Launch the CUDA kernel. A launch that fails leaves this rank's device call counter one
+        behind its peers', so later calls would pair with the peers' stale flags and data: the
+        communicator must refuse further calls (the peers' kernels time out and report)."""
+        try:
+            self._ipc.run(algo, x, self._seq, **kwargs)
+        except RuntimeError as exc:
+            self._fail(f"launching the kernel failed: {exc}", exc)
 
     def _scratch_rows(self, rows: int) -> torch.Tensor:
         if self._scratch is None:

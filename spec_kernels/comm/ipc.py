@@ -10,14 +10,14 @@ Failures inside a kernel (a peer that never arrives within timeout_s, a peer sen
 message) are written to pinned host memory that the GPU writes directly; the communicator reads
 it at its next call and in synchronize(), without a device sync.
 
-Status: compiled for sm_90a / sm_120a and reviewed, NOT yet run (no GPU here); the torch-side
-ops live in csrc/norm/ops_snippet.cpp.txt until they are merged into csrc/ops.cpp. Until then
-unavailable_reason() says the extension has no kernel and FusedAllReduce uses torch.distributed.
+Status: compiled for sm_90a / sm_120a and reviewed, NOT yet run on a GPU; the torch-side ops
+are registered in csrc/ops.cpp (torch.ops.spec_kernels_cuda.fused_allreduce and allreduce_*).
 """
 from __future__ import annotations
 
 import socket
 import zlib
+from collections import Counter
 from typing import Optional
 
 import torch
@@ -74,8 +74,8 @@ class IpcBuffers:
         except Exception as exc:  # noqa: BLE001 - reported to every rank below
             local_error = exc
         host = zlib.crc32(socket.gethostname().encode())
-        rows = comm._all_gather_ints([int(local_error is None), min(sm_count(self.index), MAX_BLOCKS), host, *handle],
-                                     "the IPC handle exchange")
+        rows = comm._all_gather_ints([int(local_error is None), sm_count(self.index), host, _gpu_id(self.index),
+                                      *handle], "the IPC handle exchange")
         failed = [r for r, row_ in enumerate(rows) if not row_[0]]
         problem = None
         if failed:
@@ -86,14 +86,18 @@ class IpcBuffers:
         if problem is not None:
             self.close()
             raise RuntimeError(problem)
-        self.num_blocks = min(row_[1] for row_ in rows)
+        # Block b of a rank spins until block b of every peer has arrived. Ranks sharing one GPU
+        # (the GPU tests) can only meet if all their blocks are resident together (MPS), so each
+        # gets its share of that GPU's SMs (one block per SM fits: __launch_bounds__(1024, 1)).
+        sharing = Counter((row_[2], row_[3]) for row_ in rows)
+        self.num_blocks = max(1, min(min(row_[1] // sharing[(row_[2], row_[3])], MAX_BLOCKS) for row_ in rows))
         try:
             self.bases = []
             for r, row_ in enumerate(rows):
                 if r == comm.rank:
                     self.bases.append(self.base)
                 else:
-                    self.opened.append(self._ops.allreduce_ipc_open(_ints_to_handle(row_[3:]), self.index))
+                    self.opened.append(self._ops.allreduce_ipc_open(_ints_to_handle(row_[4:]), self.index))
                     self.bases.append(self.opened[-1])
         except Exception:
             self.close()
@@ -129,12 +133,23 @@ class IpcBuffers:
         return f"{where}: error code {code}"
 
     def close(self) -> None:
+        if self.opened or self.base:
+            # This rank's queued kernels still read the mapped peer buffers and write self.error:
+            # let them finish before unmapping / freeing (close() is called without a sync).
+            torch.cuda.synchronize(self.index)
         for ptr in self.opened:
             self._ops.allreduce_ipc_close(ptr, self.index)
         self.opened = []
         if self.base:
             self._ops.allreduce_ipc_free(self.base, self.index)
             self.base = 0
+
+
+def _gpu_id(index: int) -> int:
+    """Identifies the physical GPU across processes (device indices differ with CUDA_VISIBLE_DEVICES)."""
+    props = torch.cuda.get_device_properties(index)
+    ident = getattr(props, "uuid", None) or f"{props.pci_domain_id}:{props.pci_bus_id}:{props.pci_device_id}"
+    return zlib.crc32(str(ident).encode())
 
 
 def _header(h: int) -> str:

@@ -73,7 +73,7 @@ def _tree_verify_fwd_kernel(
     if m_block * BLOCK_M < rows:
         offs_m = m_block * BLOCK_M + tl.arange(0, BLOCK_M)
         token = (q_start + offs_m // GROUP).to(tl.int64)  # query token of each row
-        row_ok = (offs_m < rows) & (token < num_tokens)
+        row_ok = (offs_m < rows) & (token >= 0) & (token < num_tokens)
         head = kv_head * GROUP + offs_m % GROUP  # query head of each row
         offs_d = tl.arange(0, D)
         offs_dv = tl.arange(0, DV)
@@ -96,7 +96,7 @@ def _tree_verify_fwd_kernel(
         hi = tl.minimum(prefix_len, lo + chunk)
         for start in range(lo, hi, BLOCK_N):
             offs_n = start + tl.arange(0, BLOCK_N)
-            key_ok = (offs_n < hi) & (kv_start + offs_n < num_indices)
+            key_ok = (offs_n < hi) & (kv_start + offs_n >= 0) & (kv_start + offs_n < num_indices)
             slot = tl.load(KV_INDICES + kv_start + offs_n, mask=key_ok, other=0).to(tl.int64)
             key_ok = key_ok & (slot >= 0) & (slot < num_slots)
             k = tl.load(k_base + slot[None, :] * stride_ks + offs_d[:, None], mask=key_ok[None, :], other=0.0)
@@ -128,8 +128,9 @@ def _tree_verify_fwd_kernel(
                 row_bits = tl.load(TREE_MASK + token, mask=row_ok, other=0)
             for t0 in range(0, n_draft, BLOCK_N):
                 offs_j = t0 + tl.arange(0, BLOCK_N)
-                key_ok = (offs_j < n_draft) & (prefix_len + offs_j < kv_len) & (kv_start + prefix_len + offs_j < num_indices)
-                slot = tl.load(KV_INDICES + kv_start + prefix_len + offs_j, mask=key_ok, other=0).to(tl.int64)
+                at = kv_start + prefix_len + offs_j
+                key_ok = (offs_j < n_draft) & (prefix_len + offs_j < kv_len) & (at >= 0) & (at < num_indices)
+                slot = tl.load(KV_INDICES + at, mask=key_ok, other=0).to(tl.int64)
                 key_ok = key_ok & (slot >= 0) & (slot < num_slots)
                 k = tl.load(k_base + slot[None, :] * stride_ks + offs_d[:, None], mask=key_ok[None, :], other=0.0)
                 v = tl.load(v_base + slot[:, None] * stride_vs + offs_dv[None, :], mask=key_ok[:, None], other=0.0)

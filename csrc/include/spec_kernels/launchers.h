@@ -20,7 +20,7 @@ int compiled_cuda_runtime_version();
 // tree_mask[t] = bits of draft t and of all its ancestors (indices within its request).
 // parents: int64 [T], parent index within the request or -1; parents must precede children.
 cudaError_t launch_tree_mask_from_parents(const int64_t* parents, const int32_t* qo_indptr,
-                                          int64_t* tree_mask, int num_requests,
+                                          int64_t* tree_mask, int num_requests, int64_t num_tokens,
                                           cudaStream_t stream);
 
 // ---------------------------------------------------------------- draft-token KV slots (kv_slots/)
