@@ -48,21 +48,17 @@ def device_name(run: Path) -> str | None:
         name = dev.get("name") if isinstance(dev, dict) else dev
         if name:
             return str(name)
-    smi = run / "nvidia-smi.txt"
-    if smi.exists():
-        m = re.search(r"\|\s+\d+\s+(NVIDIA [^|]*?)\s{2,}", smi.read_text())
-        if m:
-            return m.group(1)
-    return None
+    return _search(run / "nvidia-smi.txt", r"\|\s+\d+\s+(NVIDIA [^|]*?)\s{2,}")
 
 
 def run_date(run: Path) -> str | None:
-    summary = run / "summary.txt"
-    if summary.exists():
-        m = re.search(r"gpu_check summary: (\d{4}-\d{2}-\d{2})T", summary.read_text())
-        if m:
-            return m.group(1)
-    return None
+    return _search(run / "summary.txt", r"gpu_check summary: (\d{4}-\d{2}-\d{2})T")
+
+
+def _search(path: Path, pattern: str) -> str | None:
+    """The first group of pattern's first match in the file, None if the file or a match is missing."""
+    m = re.search(pattern, path.read_text()) if path.exists() else None
+    return m.group(1) if m else None
 
 
 def plan(run: Path, dest: Path, date: str) -> list[tuple[Path, Path]]:

@@ -58,3 +58,11 @@ def test_refuses_a_folder_without_benchmark_json(tmp_path, monkeypatch):
     with pytest.raises(SystemExit, match="no benchmark JSON"):
         save.main([str(out), "--gpu", "h200"])
     assert not (tmp_path / "results").exists()
+
+
+def test_device_name_falls_back_to_nvidia_smi(tmp_path):
+    (tmp_path / "nvidia-smi.txt").write_text(
+        "| GPU  Name                 Persistence-M | Bus-Id          Disp.A |\n"
+        "|   0  NVIDIA H200                    On  |   00000000:1B:00.0 Off |\n")
+    assert save.gpu_slug(save.device_name(tmp_path)) == "h200"
+    assert save.run_date(tmp_path) is None  # no summary.txt
