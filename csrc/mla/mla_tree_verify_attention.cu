@@ -24,6 +24,7 @@
 
 #include "spec_kernels/mla.h"
 #include "spec_kernels/mma.cuh"
+#include "spec_kernels/split_merge.cuh"
 
 namespace spec_kernels {
 namespace {
@@ -318,32 +319,14 @@ __global__ void __launch_bounds__(kThreads) mla_tree_verify_kernel(const MlaPara
   }
 }
 
-// out[t, h] = sum_s 2^(lse_s - lse) * o_s over the splits in order; lse = log2 sum_s 2^lse_s.
-// One block per (token, head). (The same combine as tree_verify's merge_splits_kernel.)
+// One block per (token, head): the split-KV combine (spec_kernels/split_merge.cuh).
 template <typename T>
 __global__ void mla_merge_splits_kernel(const MlaParams p) {
   const int64_t idx = blockIdx.x;  // token * H + head
   const int64_t token = idx / p.num_heads;
   const int head = static_cast<int>(idx % p.num_heads);
-  const int64_t split_stride = static_cast<int64_t>(p.num_tokens) * p.num_heads;
-  float mx = -INFINITY;
-  for (int s = 0; s < p.num_splits; ++s) mx = fmaxf(mx, p.lse_partial[s * split_stride + idx]);
-  const float m_safe = mx == -INFINITY ? 0.f : mx;
-  float total = 0.f;
-  for (int s = 0; s < p.num_splits; ++s) total += exp2f(p.lse_partial[s * split_stride + idx] - m_safe);
-  const float inv_total = total > 0.f ? 1.f / total : 0.f;
-  T* out = static_cast<T*>(p.out) + token * p.o_stride_t + head * p.o_stride_h;
-  for (int d = threadIdx.x; d < kDv; d += blockDim.x) {
-    float o = 0.f;
-    for (int s = 0; s < p.num_splits; ++s) {
-      const float w = exp2f(p.lse_partial[s * split_stride + idx] - m_safe);
-      o += w * p.o_partial[(s * split_stride + idx) * kDv + d];
-    }
-    out[d] = from_float<T>(o * inv_total);
-  }
-  if (p.lse != nullptr && threadIdx.x == 0) {
-    p.lse[idx] = total > 0.f ? (m_safe + log2f(total)) * 0.69314718055994531f : -INFINITY;
-  }
+  merge_split_row(p.o_partial, p.lse_partial, p.num_splits, static_cast<int64_t>(p.num_tokens) * p.num_heads, idx, kDv,
+                  static_cast<T*>(p.out) + token * p.o_stride_t + head * p.o_stride_h, p.lse);
 }
 
 template <typename T, int kMTiles>

@@ -1,0 +1,40 @@
+// The split-KV (flash-decoding) combine shared by the attention kernels. Each split s wrote, for a
+// (token, head) row, its normalised output o_s and its base-2 log-sum-exp lse_s; the row's result
+// is sum_s 2^(lse_s - lse) * o_s with lse = log2 sum_s 2^lse_s, summed in split order (bitwise
+// deterministic, no atomics). A row no split saw (every lse_s = -inf) gets zeros and lse = -inf.
+#pragma once
+
+#include <cmath>
+#include <cstdint>
+
+#include "spec_kernels/mma.cuh"  // from_float<T>
+
+namespace spec_kernels {
+
+// Called by every thread of one block per row; the threads stride over the row's `dim` columns.
+// o_partial: fp32 [splits, num_rows, dim]; lse_partial: fp32 [splits, num_rows] (base 2);
+// idx = token * heads + head; out_row: the row's output; lse: fp32 [num_rows] in natural log, or
+// nullptr when not wanted.
+template <typename T>
+__device__ void merge_split_row(const float* o_partial, const float* lse_partial, int num_splits, int64_t num_rows,
+                                int64_t idx, int dim, T* out_row, float* lse) {
+  float mx = -INFINITY;
+  for (int s = 0; s < num_splits; ++s) mx = fmaxf(mx, lse_partial[s * num_rows + idx]);
+  const float m_safe = mx == -INFINITY ? 0.f : mx;
+  float total = 0.f;
+  for (int s = 0; s < num_splits; ++s) total += exp2f(lse_partial[s * num_rows + idx] - m_safe);
+  const float inv_total = total > 0.f ? 1.f / total : 0.f;
+  for (int d = threadIdx.x; d < dim; d += blockDim.x) {
+    float o = 0.f;
+    for (int s = 0; s < num_splits; ++s) {
+      const float w = exp2f(lse_partial[s * num_rows + idx] - m_safe);
+      o += w * o_partial[(s * num_rows + idx) * dim + d];
+    }
+    out_row[d] = from_float<T>(o * inv_total);
+  }
+  if (lse != nullptr && threadIdx.x == 0) {
+    lse[idx] = total > 0.f ? (m_safe + log2f(total)) * 0.69314718055994531f : -INFINITY;
+  }
+}
+
+}  // namespace spec_kernels

@@ -1,0 +1,236 @@
+#!/usr/bin/env python
+"""Run the kernel emulators against the package's reference implementations (no GPU needed).
+
+    python tools/kernel_emulators/check.py [tree_verify|mla|kv_slots|all] [--quick] [-v]
+    python tools/kernel_emulators/check.py KERNEL --mutant NAME   # one deliberate bug: must FAIL
+    python tools/kernel_emulators/check.py all --mutants --quick  # every deliberate bug must be caught
+    python tools/kernel_emulators/check.py --list-mutants
+
+Exit status 0 when every case passes (with --mutants: when every mutant is caught), else 1.
+See README.md for what the emulators model and what they cannot show.
+"""
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+import time
+import traceback
+import types
+from pathlib import Path
+
+sys.dont_write_bytecode = True  # leave no __pycache__ in the tree (tools/, tests/)
+HERE = Path(__file__).resolve().parent
+REPO = HERE.parents[1]
+for p in (str(HERE), str(REPO)):
+    if p not in sys.path:
+        sys.path.insert(0, p)
+
+KERNELS = ("tree_verify", "mla", "kv_slots")
+
+# Deliberate bugs, each a one-expression patch of an emulator's source: (what, old text, new text).
+# `--mutants` checks that the cases catch every one (by a mismatch, a race or an out-of-bounds).
+MUTANTS = {
+    "tree_verify": {
+        "v_not_transposed": ("V read with ldmatrix without .trans",
+                             "d + LANE // 16), warp, trans=True)", "d + LANE // 16), warp, trans=False)"),
+        "v_rows_from_lane16": ("V ldmatrix: key row block from lane / 16 instead of lane / 8 % 2",
+                               "v_s + swizzled(kChunks, key0 + j * 8 + (LANE // 8 % 2) * 8 + LANE % 8,",
+                               "v_s + swizzled(kChunks, key0 + j * 8 + (LANE // 16) * 8 + LANE % 8,"),
+        "k_chunk_from_lane16": ("K ldmatrix: k chunk from lane / 16 instead of lane / 8 % 2",
+                                "kk * 2 + LANE // 8 % 2), warp)", "kk * 2 + LANE // 16), warp)"),
+        "p_fragment_order": ("P as A fragment: registers a1 and a2 swapped",
+                             "np.stack([s[j][:, 0:2], s[j][:, 2:4], s[j + 1][:, 0:2], s[j + 1][:, 2:4]])",
+                             "np.stack([s[j][:, 0:2], s[j + 1][:, 0:2], s[j][:, 2:4], s[j + 1][:, 2:4]])"),
+        "prefetch_into_current_stage": ("the prefetch of tile t+1 goes to stage t & 1",
+                                        "load_tile(t + 1, (t + 1) & 1)", "load_tile(t + 1, t & 1)"),
+        "wait_group_2": ("cp.async.wait_group 2 instead of 1", "smem.wait_group(1)", "smem.wait_group(2)"),
+        "no_loop_top_sync": ("no __syncthreads after the wait",
+                             "smem.syncthreads()  # the tile (and Q) visible", "pass  # the tile (and Q) visible"),
+        "no_loop_end_sync": ("no __syncthreads at the end of the tile loop",
+                             "smem.syncthreads()  # the stage is refilled", "pass  # the stage is refilled"),
+        "no_merge_entry_sync": ("no __syncthreads before the warps_n merge reuses the tiles' memory",
+                                "smem.syncthreads()  # Q/K/V tiles are dead", "pass  # Q/K/V tiles are dead"),
+        "tail_mask_off_by_one": ("tail mask bit pos - prefix_len + 1",
+                                 "min(int(pos[l] - prefix_len), 63)", "min(int(pos[l] - prefix_len + 1), 63)"),
+    },
+    "mla": {
+        "k_rows_chunks_swapped": ("K B-fragment ldmatrix: key-row and chunk lane mappings swapped",
+                                  "swizzled(kChunks, (LANE // 16) * 8 + LANE % 8, kk * 2 + LANE // 8 % 2)",
+                                  "swizzled(kChunks, (LANE // 8 % 2) * 8 + LANE % 8, kk * 2 + LANE // 16)"),
+        "v_not_transposed": ("V read with ldmatrix without .trans", "warp, trans=True)", "warp, trans=False)"),
+        "p_fragment_order": ("P as A fragment: register a1 takes n-tile 1's rows g",
+                             "s[warp, mt, 0][:, 0:2], s[warp, mt, 0][:, 2:4],",
+                             "s[warp, mt, 0][:, 0:2], s[warp, mt, 1][:, 0:2],"),
+        "own_partial_only": ("each warp sums its own S partial four times",
+                             "x += smem.ld_f32(s_part + w * kPartialFloats",
+                             "x += smem.ld_f32(s_part + warp * kPartialFloats"),
+        "wait_group_2": ("cp.async.wait_group 2 instead of 1", "smem.wait_group(1)", "smem.wait_group(2)"),
+        "no_loop_top_sync": ("no __syncthreads after the wait",
+                             "smem.syncthreads()  # the tile (and Q) visible", "pass  # the tile (and Q) visible"),
+        "no_publish_sync": ("no __syncthreads between publishing and summing the S partials",
+                            "smem.syncthreads()  # the S partials published", "pass  # the S partials published"),
+        "no_loop_end_sync": ("no __syncthreads at the end of the tile loop",
+                             "smem.syncthreads()  # the stage and the partials", "pass  # the stage and the partials"),
+    },
+    "kv_slots": {
+        "no_syncwarp": ("page_size 1 commit: no __syncwarp between reading and rewriting the draft slots",
+                        "blk.syncwarp(w)", "pass"),
+        "no_analyze_sync": ("pass 1: no __syncthreads between analyze_tile and reading the tile",
+                            "        op.analyze_tile(blk, tile, t0, ln)\n        blk.sync()\n",
+                            "        op.analyze_tile(blk, tile, t0, ln)\n"),
+        "pop_off_by_one": ("alloc pops stack entry top - count - k instead of top - 1 - count - k",
+                           "top - 1 - t.count.ld(i, ctx)", "top - t.count.ld(i, ctx)"),
+        "first_freed_page": ("commit frees pages from roundup(L + k + 1) instead of roundup(L + k)",
+                             "first = roundup(L + k, log2p)", "first = roundup(L + k + 1, log2p)"),
+        "moves_reversed": ("KV rows moved in reverse path order", "for j in range(k):", "for j in reversed(range(k)):"),
+    },
+}
+
+
+def load(kernel, mutant=None):
+    """The emulator module, or a fresh copy of it with one mutant's patch applied."""
+    if mutant is None:
+        return importlib.import_module(kernel)
+    what, old, new = MUTANTS[kernel][mutant]
+    path = HERE / f"{kernel}.py"
+    src = path.read_text()
+    if src.count(old) != 1:
+        raise SystemExit(f"mutant {kernel}:{mutant}: its patch matches {src.count(old)} places of {path.name}, "
+                         "not exactly one; update MUTANTS in check.py together with the emulator")
+    mod = types.ModuleType(f"{kernel}__{mutant}")
+    mod.__file__ = str(path)
+    sys.modules[mod.__name__] = mod
+    exec(compile(src.replace(old, new), f"{path} [mutant {mutant}]", "exec"), mod.__dict__)
+    return mod
+
+
+def run_case(fn):
+    """Run one case; an exception (race, out-of-bounds, assertion) is a failure with its message."""
+    t0 = time.time()
+    try:
+        res = fn()
+    except Exception as e:  # noqa: BLE001 - every error is a finding
+        # report the emulator's line (the kernel statement), not the ptx.py helper that raised
+        frames = traceback.extract_tb(e.__traceback__)
+        frame = next((f for f in reversed(frames) if not f.filename.endswith("ptx.py")), frames[-1])
+        res = dict(ok=False, note=f"{type(e).__name__}: {e} [{Path(frame.filename).name}:{frame.lineno}]")
+    res["time"] = time.time() - t0
+    return res
+
+
+def fmt(x):
+    return "-" if x is None else f"{x:.1e}"
+
+
+def check_kernel(kernel, quick, verbose, mod):
+    cases = mod.cases(quick)
+    rows, failures = [], []
+    for i, (name, fn) in enumerate(cases):
+        res = run_case(fn)
+        rows.append(res)
+        line = f"  [{i + 1}/{len(cases)}] {'ok  ' if res['ok'] else 'FAIL'} {kernel}: {name} ({res['time']:.1f}s)"
+        if "err" in res:
+            line += f"  out err {res['err']:.1e}  lse err {res['lse_err']:.1e}"
+        if verbose or not res["ok"]:
+            print(line + (f"\n      {res['note']}" if res.get("note") and (verbose or not res["ok"]) else ""),
+                  flush=True)
+        if not res["ok"]:
+            failures.append(name)
+    errs = {}
+    for r in rows:
+        if "err" in r:
+            key = "bf16" if "bfloat16" in str(r["dtype"]) else "fp16"
+            errs[key] = max(errs.get(key, 0.0), r["err"])
+            errs["lse"] = max(errs.get("lse", 0.0), r["lse_err"])
+    launches = sum(r.get("launches", 0) for r in rows)
+    counts = {}
+    for r in rows:
+        for k, v in r.get("counts", {}).items():
+            counts[k] = counts.get(k, 0) + v
+    return dict(kernel=kernel, cases=len(rows), failed=len(failures), errs=errs, launches=launches, counts=counts,
+                time=sum(r["time"] for r in rows))
+
+
+def print_table(summaries):
+    print()
+    print(f"{'kernel':<12} {'cases':>5} {'failed':>6}  {'max|out err| bf16':>17} {'fp16':>8} {'max|lse err|':>12}  "
+          f"{'time':>6}  notes")
+    for s in summaries:
+        e = s["errs"]
+        note = ""
+        if s["counts"]:
+            c = s["counts"]
+            note = (f"bit-exact lockstep: {c['alloc']} allocs ({c['alloc_refused']} refused), {c['commit']} commits "
+                    f"({c['commit_refused']} refused, {c['commit_moves']} moving KV); {c['mismatch']} mismatches, "
+                    f"{c['races']} races; KV moved on refusal {c['kv_moved_on_refusal']}x (api.py documents it)")
+        print(f"{s['kernel']:<12} {s['cases']:>5} {s['failed']:>6}  {fmt(e.get('bf16')):>17} {fmt(e.get('fp16')):>8} "
+              f"{fmt(e.get('lse')):>12}  {s['time']:>5.0f}s  {note}")
+
+
+def sweep_mutants(kernels, quick):
+    """Each mutant must make some case fail; stop at the first that does."""
+    survivors = []
+    print(f"{'mutant':<42} result")
+    for kernel in kernels:
+        for name, (what, _, _) in MUTANTS[kernel].items():
+            mod = load(kernel, name)
+            caught = None
+            t0 = time.time()
+            for case_name, fn in mod.cases(quick):
+                res = run_case(fn)
+                if not res["ok"]:
+                    caught = (case_name, res.get("note", "") or f"out err {fmt(res.get('err'))}")
+                    break
+            label = f"{kernel}:{name}"
+            if caught:
+                reason = caught[1].splitlines()[-1].strip() if caught[1] else ""
+                print(f"{label:<42} caught by '{caught[0]}' ({time.time() - t0:.0f}s): {reason[:150]}", flush=True)
+            else:
+                survivors.append(label)
+                print(f"{label:<42} NOT CAUGHT - {what}", flush=True)
+    return survivors
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("kernel", nargs="?", default="all", choices=KERNELS + ("all",))
+    ap.add_argument("--quick", action="store_true", help="a handful of cases per kernel (about a minute)")
+    ap.add_argument("-v", "--verbose", action="store_true", help="print every case")
+    ap.add_argument("--mutant", metavar="NAME", help="run with one deliberate bug (see --list-mutants): must fail")
+    ap.add_argument("--mutants", action="store_true", help="check that every deliberate bug is caught")
+    ap.add_argument("--list-mutants", action="store_true")
+    args = ap.parse_args()
+    kernels = KERNELS if args.kernel == "all" else (args.kernel,)
+    if args.mutant and args.kernel == "all":
+        ap.error("--mutant needs a kernel: check.py KERNEL --mutant NAME (see --list-mutants)")
+
+    if args.list_mutants:
+        for k in kernels:
+            for name, (what, _, _) in MUTANTS[k].items():
+                print(f"{k:<12} {name:<28} {what}")
+        return 0
+    if args.mutants:
+        survivors = sweep_mutants(kernels, args.quick)
+        print(f"\n{'every mutant caught' if not survivors else 'NOT caught: ' + ', '.join(survivors)}")
+        return 1 if survivors else 0
+
+    summaries = []
+    t0 = time.time()
+    for kernel in kernels:
+        mod = load(kernel)
+        if args.mutant:
+            if args.mutant not in MUTANTS[kernel]:
+                ap.error(f"{kernel} has no mutant {args.mutant!r} (see --list-mutants)")
+            mod = load(kernel, args.mutant)
+            print(f"MUTANT {kernel}:{args.mutant} applied ({MUTANTS[kernel][args.mutant][0]}): failures expected")
+        print(f"{kernel}: {mod.KERNEL} ({'quick' if args.quick else 'full'} case list)", flush=True)
+        summaries.append(check_kernel(kernel, args.quick, args.verbose, mod))
+    print_table(summaries)
+    failed = sum(s["failed"] for s in summaries)
+    print(f"\n{'ALL PASSED' if not failed else f'{failed} FAILED'} in {time.time() - t0:.0f}s")
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
