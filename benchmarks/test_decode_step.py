@@ -32,8 +32,9 @@ for EAGLE verify with n draft tokens per request (mode "eagle"), with T = B x n 
 * ``test_decode_component``: the same parts alone (kind "decode_component": attention, gemm,
   norm per layer; kv per step), so the summary shows where the time goes; and the anchors beside
   ours when importable, else reported as skipped: SGLang 0.5.23's Triton extend attention with
-  its full n x (L + n) custom mask (``sglang.kernels.ops.attention.extend_attention``; on CPU it
-  runs under the interpreter in fp32), FlashInfer's paged prefill with a custom mask
+  its full n x (L + n) custom mask (``sglang.kernels.ops.attention.extend_attention``, through
+  benchmarks/_sglang_kernels.py, which also loads it on the GPU machine without SGLang installed;
+  on CPU it runs under the interpreter in fp32), FlashInfer's paged prefill with a custom mask
   (``BatchPrefillWithPagedKVCacheWrapper``; plan() outside the timing, as a server plans once per
   step) and FlashInfer's fused_add_rmsnorm. Each anchor's output is checked against ours first
   where both compute the same thing.
@@ -91,6 +92,7 @@ from typing import Callable, Optional
 import pytest
 import torch
 
+import _sglang_kernels
 import _timing
 import decode_step_models as models
 import spec_kernels
@@ -330,8 +332,7 @@ def sglang_anchor(att: Attention, s: AttnSet) -> Callable[[], None]:
     """Store + SGLang's Triton extend attention as its triton backend calls it for TARGET_VERIFY:
     prefix from the cache (kv_indptr/indices over the L prefix slots), drafts from the step's
     contiguous K/V, the full n x (L + n) mask per request."""
-    from sglang.kernels.ops.attention.extend_attention import extend_attention_fwd
-
+    extend_attention_fwd = _sglang_kernels.extend_attention_fwd()
     c = att.case
     steps = torch.arange(c.B + 1, device=DEVICE)
     prefix_indptr = (steps * c.L).to(torch.int32)
@@ -390,11 +391,7 @@ def flashinfer_unavailable() -> Optional[str]:
 
 def anchor_unavailable(anchor: str, case: Case) -> Optional[str]:
     if anchor == "sglang-triton":
-        try:
-            import sglang.kernels.ops.attention.extend_attention  # noqa: F401
-        except Exception as exc:  # noqa: BLE001
-            return f"SGLang's extend attention does not import ({type(exc).__name__}: {exc})"
-        return None
+        return _sglang_kernels.unavailable_reason()
     if case.model.is_mla:
         return "FlashInfer's paged prefill has no 576/512 MLA head dims (its MLA wrapper takes no custom mask)"
     return flashinfer_unavailable()

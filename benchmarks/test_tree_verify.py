@@ -12,13 +12,17 @@ head dim D = Dv; presets in benchmarks/_timing.py):
 * every implementation that can run here, side by side: ``triton`` now, ``cuda`` as soon as
   ``op_impls("tree_verify_attention").unavailable_reason("cuda", device)`` is None, the
   ``reference`` on CPU only (it loops over requests on the host: an oracle, not a contender);
-* ``sdpa``, the anchor: gather each request's K/V rows from the paged cache (index_select) and
+* ``sglang-triton``, the anchor the targets name (n > 1): SGLang 0.5.23's Triton
+  ``extend_attention_fwd`` as its triton backend runs TARGET_VERIFY: the prefix read through
+  kv_indices, the drafts' K/V as contiguous tensors (in a server, the verify tokens' fresh K/V),
+  the full n x (L + n) boolean mask per request (built outside the timing). It is imported by
+  benchmarks/_sglang_kernels.py, which also loads it on the GPU machine where SGLang is not
+  installed (staged sources, SPEC_KERNELS_SGLANG_SRC); absent, it is reported as skipped.
+* ``sdpa``, a second anchor: gather each request's K/V rows from the paged cache (index_select) and
   run ``torch.nn.functional.scaled_dot_product_attention`` with a dense boolean mask of n x (L+n)
   per request (no mask for n = 1). GQA is handled by packing the group's query heads into the
   query rows ([B, Hkv, n*group, D], what our kernel does too) rather than repeating K/V, so the
   anchor is not penalised for the head layout; the gather is timed, since the cache is paged.
-  SGLang's Triton extend-with-mask kernel, the anchor the target names, is not installed on the
-  GPU machine; SDPA stands in until it is.
 
 Inputs are random (never zeros), slot ids are a random permutation of the cache's slots, and a
 GPU round rotates over several disjoint input sets so that it streams >= 4x the L2 cache.
@@ -41,7 +45,7 @@ statistics are per call.
 GPU targets (shared/DESIGN.md), tree verify at n = 16, L >= 4k, GQA 4-8:
   * time <= 1.15 x plain decode (n = 1) at the same B and L        (the "/dec" column)
   * >= 80% of the GPU's measured streaming-read bandwidth          (the "%rd" column)
-  * >= 3x faster than SGLang's Triton extend-with-mask kernel      (not measurable yet, see above)
+  * >= 3x faster than SGLang's Triton extend-with-mask kernel      (the sglang-triton column)
 No GPU figure has been measured yet: the only runs so far are CPU runs of the tiny preset
 through the Triton interpreter, whose times say nothing about GPU performance.
 """
@@ -54,6 +58,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+import _sglang_kernels
 import _timing
 import spec_kernels
 from spec_kernels._ops import op_impls
@@ -104,7 +109,7 @@ def attention_impls(device: torch.device) -> list[str]:
     impls = [impl for impl in ("cuda", "triton") if op.unavailable_reason(impl, device) is None]
     if device.type == "cpu":
         impls.append("reference")
-    return impls + ["sdpa"]
+    return impls + ["sglang-triton", "sdpa"]
 
 
 def unsupported_reason(impl: str, case: Case) -> Optional[str]:
@@ -112,6 +117,10 @@ def unsupported_reason(impl: str, case: Case) -> Optional[str]:
     arguments (the CUDA kernel takes fp16/bf16 only), decided from shapes and dtypes alone."""
     if impl == "sdpa":
         return None
+    if impl == "sglang-triton":
+        if case.n == 1:
+            return "the verify anchor (plain decode has its own kernel in SGLang)"
+        return _sglang_kernels.unavailable_reason()
     q = torch.empty(1, case.Hq, case.D, dtype=DTYPE, device="meta")
     k = torch.empty(1, case.Hkv, case.D, dtype=DTYPE, device="meta")
     v = torch.empty(1, case.Hkv, case.Dv, dtype=DTYPE, device="meta")
@@ -190,10 +199,32 @@ def sdpa_attention(case: Case, inp: Inputs, s: InputSet, out: torch.Tensor) -> N
     out.view(B, n, Hkv, group, Dv).copy_(o.view(B, Hkv, n, group, Dv).transpose(1, 2))
 
 
+def sglang_attention(case: Case, inp: Inputs, s: InputSet, out: torch.Tensor) -> Callable[[], None]:
+    """SGLang's extend_attention_fwd with the arguments its triton backend passes for TARGET_VERIFY;
+    everything but the kernel (mask, the drafts' contiguous K/V) is prepared here, untimed."""
+    extend_attention_fwd = _sglang_kernels.extend_attention_fwd()
+    B, n, L = case.B, case.n, case.L
+    steps = torch.arange(B + 1, device=DEVICE)
+    slots = s.kv_indices.view(B, L + n).long()
+    prefix_indices, draft_slots = slots[:, :L].flatten(), slots[:, L:].flatten()
+    k_new, v_new = inp.k_cache[draft_slots], inp.v_cache[draft_slots]
+    draft_bits = ((s.tree_mask.view(B, n, 1) >> torch.arange(n, device=DEVICE)) & 1).bool()
+    mask = torch.cat([torch.ones(B, n, L, dtype=torch.bool, device=DEVICE), draft_bits], dim=2).flatten()
+    prefix_indptr, mask_indptr = (steps * L).to(torch.int32), steps * (n * (L + n))
+    sm_scale = case.D ** -0.5
+
+    def call():
+        extend_attention_fwd(s.q, k_new, v_new, out, inp.k_cache, inp.v_cache, inp.qo_indptr, prefix_indptr,
+                             prefix_indices, mask, True, mask_indptr, n, 1.0, 1.0, sm_scale=sm_scale)
+    return call
+
+
 def launcher(impl: str, case: Case, inp: Inputs, s: InputSet, out: torch.Tensor) -> Callable[[], None]:
     """A zero-argument call of `impl` on input set `s`, writing `out`."""
     if impl == "sdpa":
         return lambda: sdpa_attention(case, inp, s, out)
+    if impl == "sglang-triton":
+        return sglang_attention(case, inp, s, out)
     if case.n == 1:
         return lambda: spec_kernels.decode_attention(
             s.q, inp.k_cache, inp.v_cache, inp.kv_indptr, s.kv_indices, out=out, impl=impl)

@@ -23,6 +23,9 @@
 # next one still runs (Triton results come back even when the CUDA build fails). The exit code
 # is 1 if any step failed, after the summary.
 #
+# Anchor: carry SGLang's extend-attention sources for the sglang-triton benchmark column: here,
+#   python benchmarks/_sglang_kernels.py stage .sglang_src      (then run with carry [".sglang_src"])
+#
 # Time: in one 450 s run the tests keep their caps (about 330 s with the build) and the five
 # benchmark modules share what is left (~100 s): enough to see every kernel run, too little for
 # the full quick grid. For both, use two calls back to back (the machine stays warm 30 s after a
@@ -135,6 +138,11 @@ else
   arch_default=$cap
 fi
 export SPEC_KERNELS_CUDA_ARCHS=${SPEC_KERNELS_CUDA_ARCHS:-$arch_default}
+# SGLang's Triton extend attention, the tree-verify anchor, from sources staged here with
+# `python benchmarks/_sglang_kernels.py stage .sglang_src` and carried (the machine has no SGLang).
+if [[ -z "${SPEC_KERNELS_SGLANG_SRC:-}" && -d "$REPO/.sglang_src" ]]; then
+  export SPEC_KERNELS_SGLANG_SRC="$REPO/.sglang_src"
+fi
 export MAX_JOBS=${MAX_JOBS:-$(nproc)}
 
 #    name        cap  reserve  log
