@@ -268,6 +268,11 @@ def test_attention(benchmark, bench_results, case, impl):
         pytest.skip(f"{impl}: {reason}")
     inp = make_inputs(case, _timing.input_sets_for(case.bytes, DEVICE), need_dense_mask=impl == "sdpa")
     out = torch.empty(case.B * case.n, case.Hq, case.Dv, dtype=DTYPE, device=DEVICE)
+    if impl == "sglang-triton":  # an anchor that cannot compile here (other Triton) is absent, not our failure
+        try:
+            launcher(impl, case, inp, inp.sets[0], out)()
+        except Exception as exc:  # noqa: BLE001
+            pytest.skip(f"{impl}: SGLang's kernel does not run here ({type(exc).__name__}: {str(exc)[:300]})")
     check_against_reference(impl, case, inp, out)
     calls = [launcher(impl, case, inp, s, out) for s in inp.sets]
     info = _timing.measure(benchmark, calls, DEVICE, PRESET.rounds)
