@@ -617,7 +617,11 @@ def _attention_calls(case: Case, impl: str) -> tuple[list, int, dict]:
         ours(att, att.sets[0], None)()
         expected = att.out.clone()
         att.out.zero_()
+    try:  # an anchor that cannot run here (another Triton, no kernel for the arch) is absent, not a failure
         calls[0]()
+    except Exception as exc:  # noqa: BLE001
+        pytest.skip(f"{impl}: the anchor does not run here ({type(exc).__name__}: {str(exc)[:300]})")
+    if form == case.attention:
         tol = 1e-3 if DTYPE == torch.float32 else 3e-2
         torch.testing.assert_close(att.out, expected, atol=tol, rtol=tol, msg=lambda m: f"{impl} vs ours: {m}")
     return calls, att.bytes, extra
