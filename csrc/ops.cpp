@@ -117,7 +117,7 @@ void tree_verify_attention(const at::Tensor& q, const at::Tensor& k_cache, const
     check_shape(*lse, "lse", {T, Hq});
   }
   TORCH_CHECK(num_splits >= 1 && num_splits <= 64, "num_splits must be in [1, 64], got ", num_splits);
-  TORCH_CHECK(min_chunk >= 0, "min_chunk must be >= 0");
+  TORCH_CHECK(min_chunk >= 0 && min_chunk < (int64_t{1} << 30), "min_chunk must be in [0, 2^30), got ", min_chunk);
   if (num_splits > 1) {
     TORCH_CHECK(o_partial.has_value() && lse_partial.has_value(), "num_splits > 1 needs o_partial and lse_partial");
     check_cuda(*o_partial, "o_partial", dev);

@@ -80,12 +80,8 @@ __global__ void __launch_bounds__(kThreads) mla_tree_verify_kernel(const MlaPara
   const int rows_here = min(kBlockM, n_draft * H - row0);
   if (rows_here <= 0) return;  // uniform over the CTA
 
-  int chunk = ceil_div(ceil_div(prefix_len, p.num_splits), kBlockN) * kBlockN;
-  chunk = max(chunk, p.min_chunk);
-  // Overflow-free min(split * chunk, prefix_len) and min(prefix_len, lo + chunk): with a large
-  // min_chunk (the host accepts up to 2^30) split * chunk would overflow int.
-  const int lo = split > 0 && chunk > prefix_len / split ? prefix_len : split * chunk;
-  const int hi = lo + min(chunk, prefix_len - lo);
+  int lo, hi;
+  split_bounds(prefix_len, p.num_splits, split, kBlockN, p.min_chunk, lo, hi);
   const int prefix_tiles = ceil_div(hi - lo, kBlockN);
   const int tail_tiles = split == p.num_splits - 1 ? ceil_div(kv_len - prefix_len, kBlockN) : 0;
   const int total_tiles = prefix_tiles + tail_tiles;

@@ -82,10 +82,8 @@ __global__ void __launch_bounds__(kThreads) tree_verify_kernel(const TreeVerifyP
   const int keys_per_warp = kStageKeys / warps_n;
   const int ntiles = keys_per_warp / 8;  // even: 2..kMaxNTiles
 
-  int chunk = ceil_div(ceil_div(prefix_len, p.num_splits), kStageKeys) * kStageKeys;
-  chunk = max(chunk, p.min_chunk);
-  const int lo = min(split * chunk, prefix_len);
-  const int hi = min(prefix_len, lo + chunk);
+  int lo, hi;
+  split_bounds(prefix_len, p.num_splits, split, kStageKeys, p.min_chunk, lo, hi);
   const int prefix_tiles = ceil_div(hi - lo, kStageKeys);
   const int tail_tiles = split == p.num_splits - 1 ? ceil_div(num_tail, kStageKeys) : 0;
   const int total_tiles = prefix_tiles + tail_tiles;

@@ -25,7 +25,7 @@ if str(REPO) not in sys.path:
 
 from ptx import (LANE, G, T4, GlobalOut, SharedMemory, ceil_div, fail, mma_m16n8k16, shfl_xor,  # noqa: E402
                  swizzled, to_dtype)
-from split_merge import merge_splits  # noqa: E402
+from split_merge import merge_splits, split_bounds  # noqa: E402
 
 KERNEL = "csrc/mla/mla_tree_verify_attention.cu"
 kWarps, kThreads = 4, 128
@@ -67,11 +67,7 @@ def _run_cta(p, kMTiles, bx, split, out, lse, o_part, lse_part):
     if rows_here <= 0:
         return
 
-    chunk = ceil_div(ceil_div(prefix_len, p.num_splits), kBlockN) * kBlockN
-    chunk = max(chunk, p.min_chunk)
-    # overflow-free min(split * chunk, prefix_len) and min(prefix_len, lo + chunk), as the kernel
-    lo = prefix_len if split > 0 and chunk > prefix_len // split else split * chunk
-    hi = lo + min(chunk, prefix_len - lo)
+    lo, hi = split_bounds(prefix_len, p.num_splits, split, kBlockN, p.min_chunk)
     prefix_tiles = ceil_div(hi - lo, kBlockN)
     tail_tiles = ceil_div(kv_len - prefix_len, kBlockN) if split == p.num_splits - 1 else 0
     total_tiles = prefix_tiles + tail_tiles

@@ -1,12 +1,21 @@
-"""merge_split_row of csrc/include/spec_kernels/split_merge.cuh: the split-KV combine that both
-attention kernels launch (merge_splits_kernel, mla_merge_splits_kernel) when num_splits > 1."""
+"""csrc/include/spec_kernels/split_merge.cuh, shared by both attention kernels: split_bounds (the
+prefix keys a split reads) and merge_split_row (the combine merge_splits_kernel and
+mla_merge_splits_kernel launch when num_splits > 1)."""
 from __future__ import annotations
 
 import numpy as np
 
-from ptx import to_dtype
+from ptx import c_int, to_dtype
 
 LN2 = 0.69314718055994531
+
+
+def split_bounds(prefix_len, num_splits, split, tile, min_chunk):
+    """(lo, hi): the kernels' int arithmetic (c_int flags a value that would overflow int)."""
+    per_split = (prefix_len + num_splits - 1) // num_splits
+    chunk = max(c_int((per_split + tile - 1) // tile * tile, "chunk"), min_chunk)
+    lo = prefix_len if split > 0 and chunk > prefix_len // split else c_int(split * chunk, "split * chunk")
+    return lo, lo + min(chunk, prefix_len - lo)
 
 
 def merge_splits(out, lse, o_part, lse_part, dtype, want_lse=True):

@@ -25,7 +25,7 @@ if str(REPO) not in sys.path:
 
 from ptx import (LANE, G, T4, GlobalOut, SharedMemory, c_int, ceil_div, in_bounds, mma_m16n8k16,  # noqa: E402
                  shfl_xor, swizzled, to_dtype)
-from split_merge import merge_splits  # noqa: E402
+from split_merge import merge_splits, split_bounds  # noqa: E402
 
 KERNEL = "csrc/tree_verify/tree_verify_attention.cu"
 kWarps, kThreads = 4, 128
@@ -73,10 +73,7 @@ def _run_cta(p, bx, split, out, lse, o_part, lse_part):
     keys_per_warp = kStageKeys // warps_n
     ntiles = keys_per_warp // 8
 
-    chunk = ceil_div(ceil_div(prefix_len, p.num_splits), kStageKeys) * kStageKeys
-    chunk = max(chunk, p.min_chunk)
-    lo = min(c_int(split * chunk, "split * chunk"), prefix_len)
-    hi = min(prefix_len, c_int(lo + chunk, "lo + chunk"))
+    lo, hi = split_bounds(prefix_len, p.num_splits, split, kStageKeys, p.min_chunk)
     prefix_tiles = ceil_div(hi - lo, kStageKeys)
     tail_tiles = ceil_div(num_tail, kStageKeys) if split == p.num_splits - 1 else 0
     total_tiles = prefix_tiles + tail_tiles

@@ -1,4 +1,5 @@
-// The split-KV (flash-decoding) combine shared by the attention kernels. Each split s wrote, for a
+// Split-KV (flash-decoding) pieces shared by the attention kernels: which keys a split reads, and
+// the combine. Each split s wrote, for a
 // (token, head) row, its normalised output o_s and its base-2 log-sum-exp lse_s; the row's result
 // is sum_s 2^(lse_s - lse) * o_s with lse = log2 sum_s 2^lse_s, summed in split order (bitwise
 // deterministic, no atomics). A row no split saw (every lse_s = -inf) gets zeros and lse = -inf.
@@ -10,6 +11,18 @@
 #include "spec_kernels/mma.cuh"  // from_float<T>
 
 namespace spec_kernels {
+
+// The prefix keys [lo, hi) that split `split` of `num_splits` reads: chunks of
+// ceil(prefix_len / num_splits) keys rounded up to `tile` keys, at least min_chunk; the last splits
+// may get none. Overflow-free for any min_chunk < 2^31 (split * chunk is never formed when it
+// would pass prefix_len).
+__device__ __forceinline__ void split_bounds(int prefix_len, int num_splits, int split, int tile, int min_chunk,
+                                             int& lo, int& hi) {
+  const int per_split = (prefix_len + num_splits - 1) / num_splits;
+  const int chunk = max((per_split + tile - 1) / tile * tile, min_chunk);
+  lo = split > 0 && chunk > prefix_len / split ? prefix_len : split * chunk;
+  hi = lo + min(chunk, prefix_len - lo);
+}
 
 // Called by every thread of one block per row; the threads stride over the row's `dim` columns.
 // o_partial: fp32 [splits, num_rows, dim]; lse_partial: fp32 [splits, num_rows] (base 2);
