@@ -23,6 +23,7 @@
 #include <cfloat>
 
 #include "spec_kernels/mla.h"
+#include "spec_kernels/kv_index.cuh"
 #include "spec_kernels/mma.cuh"
 #include "spec_kernels/split_merge.cuh"
 
@@ -47,13 +48,6 @@ struct MlaTile {
   static constexpr int kSmemBytes = (kBlockM * kD + 2 * kStageElems) * 2 + kWarps * kPartialFloats * 4;
   static_assert(kSmemBytes <= 99 * 1024, "sm_120 allows 99 KB of shared memory per block");
 };
-
-__device__ __forceinline__ int ceil_div(int a, int b) { return (a + b - 1) / b; }
-
-__device__ __forceinline__ int64_t load_slot(const MlaParams& p, int64_t i) {
-  return p.kv_indices_int64 ? static_cast<const int64_t*>(p.kv_indices)[i]
-                            : static_cast<int64_t>(static_cast<const int32_t*>(p.kv_indices)[i]);
-}
 
 template <typename T, int kMTiles>
 __global__ void __launch_bounds__(kThreads) mla_tree_verify_kernel(const MlaParams p) {

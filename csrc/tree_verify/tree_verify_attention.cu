@@ -14,6 +14,7 @@
 // merge_splits_kernel combines them in a fixed order (bitwise deterministic, no atomics).
 #include <cfloat>
 
+#include "spec_kernels/kv_index.cuh"
 #include "spec_kernels/mma.cuh"
 #include "spec_kernels/split_merge.cuh"
 #include "spec_kernels/tree_verify.h"
@@ -39,13 +40,6 @@ struct TileConfig {
   static_assert(kWarps * kMergeFloats * 32 * 4 <= kSmemBytes, "merge buffer must fit");
   static_assert(kSmemBytes <= 99 * 1024, "sm_120 allows 99 KB of shared memory per block");
 };
-
-__device__ __forceinline__ int ceil_div(int a, int b) { return (a + b - 1) / b; }
-
-__device__ __forceinline__ int64_t load_slot(const TreeVerifyParams& p, int64_t i) {
-  return p.kv_indices_int64 ? static_cast<const int64_t*>(p.kv_indices)[i]
-                            : static_cast<int64_t>(static_cast<const int32_t*>(p.kv_indices)[i]);
-}
 
 template <typename T, int D>
 __global__ void __launch_bounds__(kThreads) tree_verify_kernel(const TreeVerifyParams p) {
