@@ -352,7 +352,8 @@ void commit_draft_slots(at::Tensor& req_to_token, const at::Tensor& req_pool_ind
                         const at::Tensor& num_draft, const at::Tensor& accept_index, const at::Tensor& accept_len,
                         at::Tensor& free_pages, at::Tensor& num_free, int64_t page_size, int64_t max_draft,
                         const std::optional<at::Tensor>& kv_table, int64_t kv_rows, int64_t kv_unit_bytes,
-                        int64_t kv_blocks_per_request, at::Tensor& new_seq_lens, at::Tensor& status) {
+                        int64_t kv_blocks_per_request, const std::optional<at::Tensor>& move_sync, int64_t move_tag,
+                        at::Tensor& new_seq_lens, at::Tensor& status) {
   const auto batch = kv_slot_batch(req_to_token, req_pool_indices, seq_lens, num_draft, free_pages, num_free,
                                    page_size, max_draft, status);
   const at::Device dev = req_to_token.device();
@@ -382,6 +383,19 @@ void commit_draft_slots(at::Tensor& req_to_token, const at::Tensor& req_pool_ind
     args.num_kv_rows = kv_rows;
     args.kv_unit_bytes = static_cast<int>(kv_unit_bytes);
     args.kv_blocks_per_request = static_cast<int>(kv_blocks_per_request);
+    TORCH_CHECK(1 + int64_t{batch.num_requests} * kv_blocks_per_request <= spec_kernels::kKvMoveMaxBlocks,
+                "commit_draft_slots: 1 + num_requests x kv_blocks_per_request must be <= ",
+                spec_kernels::kKvMoveMaxBlocks, ", got ", batch.num_requests, " x ", kv_blocks_per_request);
+    TORCH_CHECK(move_sync.has_value(), "move_sync is required with kv_table");
+    const at::Tensor& w = *move_sync;
+    TORCH_CHECK(w.device() == dev && w.scalar_type() == at::kLong && w.dim() == 1 &&
+                    w.numel() == spec_kernels::kKvMoveSyncWords && w.is_contiguous(),
+                "move_sync must be a contiguous int64 [", spec_kernels::kKvMoveSyncWords, "] on ", dev, ", got ",
+                w.sizes());
+    TORCH_CHECK(move_tag >= 1 && move_tag < (int64_t{1} << spec_kernels::kKvMoveTagBits), "move_tag must be in [1, 2^",
+                spec_kernels::kKvMoveTagBits, "), got ", move_tag);
+    args.move_sync = reinterpret_cast<uint64_t*>(w.data_ptr<int64_t>());
+    args.move_tag = static_cast<uint64_t>(move_tag);
   }
   const c10::cuda::CUDAGuard guard(dev);
   check_launch(spec_kernels::launch_commit_draft_slots(batch, args, c10::cuda::getCurrentCUDAStream().stream()),
@@ -611,7 +625,7 @@ TORCH_LIBRARY(spec_kernels_cuda, m) {
       "commit_draft_slots(Tensor(a!) req_to_token, Tensor req_pool_indices, Tensor seq_lens, Tensor num_draft, "
       "Tensor accept_index, Tensor accept_len, Tensor(b!) free_pages, Tensor(c!) num_free, int page_size, "
       "int max_draft, Tensor? kv_table, int kv_rows, int kv_unit_bytes, int kv_blocks_per_request, "
-      "Tensor(d!) new_seq_lens, Tensor(e!) status) -> ()");
+      "Tensor(f!)? move_sync, int move_tag, Tensor(d!) new_seq_lens, Tensor(e!) status) -> ()");
   m.impl("commit_draft_slots", c10::DispatchKey::CUDA, &commit_draft_slots);
   m.def("fused_add_rmsnorm(Tensor x, Tensor residual, Tensor weight, Tensor(a!) out, Tensor(b!) residual_out, "
         "float eps, float? out_scale) -> ()");

@@ -10,6 +10,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 
 import spec_kernels
 from spec_kernels.kv_slots import reference
+from spec_kernels.kv_slots import triton_kernel
 from spec_kernels.kv_slots.api import kv_table
 from test_kv_slots_invariants import PAGE_SIZES, Draw, Sim, random_path, run_random_sequence
 
@@ -127,6 +128,8 @@ def make_args(page_size=4, after_alloc=False, impl="reference"):
                 num_draft=t64([3, 0, 5]), free_pages=st_.free_pages, num_free=st_.num_free, page_size=page_size)
     if after_alloc:
         spec_kernels.alloc_draft_slots(**args, max_draft=8)
+        for t in st_.kv:  # every row different, so that any KV row moved shows
+            t.copy_((torch.arange(t.numel()) % 251).reshape(t.shape).to(t.dtype))
         args.update(accept_index=t64([[0, 2, -1], [-1, -1, -1], [1, 3, 4]]), accept_len=t64([2, 0, 3]),
                     kv_buffers=st_.kv)
     return args
@@ -408,6 +411,73 @@ def test_kv_table_is_cached_and_aligned():
     assert kv_table([torch.zeros(10, 3, dtype=torch.int16)]).unit_bytes == 2
 
 
+def _hand_off_commit(move_sync, tag, device="cpu", impl="triton", num_shares=1):
+    """The commit of make_args (page size 4, rows move) through one kernel with the given scratch
+    and tag; returns (status, new_seq_lens, the args after)."""
+    from spec_kernels.kv_slots import api
+
+    a = make_args(after_alloc=True)
+    a = {k: (v.to(device) if isinstance(v, torch.Tensor) else [t.to(device) for t in v] if isinstance(v, list)
+             else v) for k, v in a.items()}
+    status = torch.full((reference.STATUS_LEN,), -9, dtype=torch.int64, device=device)
+    new = torch.full_like(a["seq_lens"], -9)
+    common = (a["req_to_token"], a["req_pool_indices"], a["seq_lens"], a["num_draft"], a["accept_index"],
+              a["accept_len"], a["free_pages"], a["num_free"], a["page_size"], 8)
+    table = kv_table(a["kv_buffers"])
+    if impl == "triton":
+        triton_kernel.commit_draft_slots(*common, table, new, status, num_shares, move_sync, tag)
+    else:
+        api.cuda_ops().commit_draft_slots(*common, table.table, table.num_rows, table.unit_bytes, num_shares,
+                                          move_sync, tag, new, status)
+    return status.cpu(), new.cpu(), a
+
+
+def _expected_commit():
+    a = make_args(after_alloc=True)
+    status = torch.full((reference.STATUS_LEN,), -9, dtype=torch.int64)
+    new = torch.full_like(a["seq_lens"], -9)
+    reference.commit_draft_slots(a["req_to_token"], a["req_pool_indices"], a["seq_lens"], a["num_draft"],
+                                 a["accept_index"], a["accept_len"], a["free_pages"], a["num_free"], a["page_size"],
+                                 8, a["kv_buffers"], new, status)
+    return status, new, a
+
+
+def check_hand_off_scratch(device, impl):
+    """Commits that move KV rows hand the verdict from the bookkeeping block to the move blocks
+    through scratch words tagged per call: any contents under other tags (stale scratch of earlier
+    calls, zeros, garbage) are ignored, the result is the reference's, and the scratch is zeroed
+    afterwards (so that a CUDA-graph replay, which reuses its tag, starts clean)."""
+    from spec_kernels.kv_slots.api import move_sync
+
+    want_status, want_new, want = _expected_commit()
+    _, tag = move_sync(device)
+    old_tag = tag - 1
+    for fill in ([0, 0, 0], [(old_tag << 25) | 5, (old_tag << 25) | 3, (old_tag << 25) | 9], [-1, 7, 1 << 62]):
+        for shares in (1, 3):
+            scratch = torch.tensor(fill, dtype=torch.int64, device=device)
+            status, new, got = _hand_off_commit(scratch, tag, device, impl, shares)
+            assert status.tolist() == want_status.tolist() and new.tolist() == want_new.tolist()
+            for name in ("req_to_token", "free_pages", "num_free"):
+                assert torch.equal(got[name].cpu(), want[name]), name
+            for x, y in zip(got["kv_buffers"], want["kv_buffers"]):
+                assert torch.equal(x.cpu(), y)
+            assert scratch.tolist() == [0, 0, 0], f"scratch left {scratch.tolist()} (fill {fill}, shares {shares})"
+            tag += 1
+
+
+def test_hand_off_scratch_needs_no_initialisation_and_is_zeroed_after():
+    check_hand_off_scratch("cpu", "triton")
+
+
+def test_move_sync_tags_are_new_and_in_range():
+    from spec_kernels.kv_slots.api import move_sync
+
+    tags = [move_sync("cpu")[1] for _ in range(3)]
+    assert len(set(tags)) == 3 and all(1 << 32 <= t < 1 << triton_kernel.MOVE_TAG_BITS for t in tags)
+    with pytest.raises(ValueError, match="needs move_sync"):
+        _hand_off_commit(None, tags[0])
+
+
 # --------------------------------------------------------------------------- GPU
 GPU_IMPLS = [("reference", "cpu"), ("triton", "cuda"), ("cuda", "cuda")]
 
@@ -451,6 +521,12 @@ def test_gpu_many_requests_and_buffers(page_size):
 @pytest.mark.parametrize("op,name,make_bad", KERNEL_REFUSALS)
 def test_gpu_kernels_refuse_bad_values_and_change_nothing(impl, op, name, make_bad):
     check_refusal(op, name, make_bad, impl, "cuda")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("impl", ["cuda", "triton"])
+def test_gpu_hand_off_scratch_needs_no_initialisation_and_is_zeroed_after(impl):
+    check_hand_off_scratch("cuda", impl)
 
 
 @pytest.mark.gpu
@@ -505,13 +581,13 @@ from spec_kernels.kv_slots import triton_kernel
 
 for kernel, constexprs in [
     ("_alloc_kernel", dict(LOG2P=4, BLOCK_B=64, BLOCK_N=64, BLOCK_OUT=256)),
-    ("_commit_kernel", dict(LOG2P=0, PREFIX_ONLY=False, UNIT_BYTES=1, BLOCK_B=64, BLOCK_N=64, BLOCK_A=64,
-                            BLOCK_Q=8, BLOCK_U=128)),
-    ("_commit_kernel", dict(LOG2P=4, PREFIX_ONLY=False, UNIT_BYTES=2, BLOCK_B=64, BLOCK_N=64, BLOCK_A=64,
-                            BLOCK_Q=8, BLOCK_U=128)),
+    ("_commit_kernel", dict(LOG2P=0, PREFIX_ONLY=False, UNIT_BYTES=1, MOVES=False, ON_GPU=True, BLOCK_B=64,
+                            BLOCK_N=64, BLOCK_A=64, BLOCK_Q=8, BLOCK_U=128)),
+    ("_commit_kernel", dict(LOG2P=4, PREFIX_ONLY=False, UNIT_BYTES=2, MOVES=True, ON_GPU=True, BLOCK_B=64,
+                            BLOCK_N=64, BLOCK_A=64, BLOCK_Q=8, BLOCK_U=128)),
 ]:
     fn = getattr(triton_kernel, kernel)
-    pointers = {"RTT": "*i32", "ACC": "*i32"}  # int32 index tensors; every other pointer is int64
+    pointers = {"RTT": "*i32", "ACC": "*i32", "tag": "i64"}  # int32 index tensors; other pointers int64
     signature = {n: "constexpr" if n in constexprs else pointers.get(n, "*i64" if n.isupper() and n != "B" else "i32")
                  for n in fn.arg_names}
     compiled = triton.compile(ASTSource(fn=fn, signature=signature, constexprs=constexprs),

@@ -7,9 +7,15 @@
 // it changes anything (a refused call only writes the status), and every request's offset into the
 // free-page stack and out_cache_loc is a block-wide prefix sum. Requests are taken in tiles of
 // kThreads; inside a tile a group of G = min(32, next_pow2(max_draft)) lanes handles one request,
-// each lane at most kItems draft tokens. For commit with page_size > 1 and KV buffers, blocks
-// (1 + b, y) move request b's accepted KV rows in buffers y, y + gridDim.y, ...; they validate
-// their own request and never touch what the bookkeeping block reads or writes.
+// each lane at most kItems draft tokens.
+//
+// Commit with page_size > 1 and KV buffers also moves the accepted KV rows, in the same launch:
+// 1 + num_requests x kv_blocks_per_request blocks take tickets in the order they start. Ticket 0
+// keeps the books and publishes its verdict once the whole batch is validated; ticket 1 + b * y + s
+// moves request b's rows in buffers s, s + y, ... after reading that verdict, and moves nothing if
+// the call was refused. A waiting block started after the bookkeeping block, which is therefore
+// resident: the wait ends (tickets by arrival, not blockIdx, as in CUB's decoupled look-back). The
+// move blocks never touch what the bookkeeping block writes. See "Launch-wide hand-off" below.
 #include <cub/block/block_reduce.cuh>
 #include <cub/block/block_scan.cuh>
 
@@ -155,6 +161,8 @@ struct AllocOp {
     }
   }
 
+  __device__ void publish(int) const {}
+
   __device__ void refuse() const { fill_out(0); }
 
   __device__ void finish(int64_t top, int64_t pages, int64_t tokens) const {
@@ -166,6 +174,56 @@ struct AllocOp {
     for (int64_t i = from + threadIdx.x; i < out_capacity; i += kThreads) out[i] = -1;
   }
 };
+
+// ------------------------------------------------------------------ launch-wide hand-off
+// Three scratch words, each (tag << kTagShift) | value; a word with another tag reads as 0, so
+// the scratch needs no initialisation (a fresh allocation holds older tags or zeros; garbage
+// fakes this call's 38-bit tag with probability 2^-38 per word). sync[0] hands out tickets, sync[1] holds
+// the verdict once published, sync[2] counts finished blocks; the last block to finish zeroes all
+// three, so a CUDA-graph replay (same tag) starts clean.
+constexpr int kTagShift = kKvMoveTagShift;
+constexpr uint64_t kValueMask = (uint64_t{1} << kTagShift) - 1;
+constexpr uint64_t kVerdictWaitNs = 10ull * 1000 * 1000 * 1000;  // then __trap(): never hang
+
+__device__ __forceinline__ uint64_t load_acquire(const uint64_t* p) {
+  uint64_t v;
+  asm volatile("ld.acquire.gpu.global.u64 %0, [%1];" : "=l"(v) : "l"(p) : "memory");
+  return v;
+}
+
+__device__ __forceinline__ void store_release(uint64_t* p, uint64_t v) {
+  asm volatile("st.release.gpu.global.u64 [%0], %1;" : : "l"(p), "l"(v) : "memory");
+}
+
+__device__ __forceinline__ uint64_t global_ns() {
+  uint64_t t;
+  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+  return t;
+}
+
+// Adds one to a tagged counter; returns the count after this call's increment.
+__device__ uint64_t tagged_increment(uint64_t* word, uint64_t tag) {
+  auto* w = reinterpret_cast<unsigned long long*>(word);
+  unsigned long long seen = load_acquire(word);
+  for (;;) {
+    const unsigned long long want = (seen >> kTagShift) == tag ? seen + 1 : (tag << kTagShift) | 1;
+    const unsigned long long prev = atomicCAS(w, seen, want);
+    if (prev == seen) return want & kValueMask;
+    seen = prev;
+  }
+}
+
+// The published verdict (a KvSlotStatus). Called by one thread of a move block.
+__device__ int wait_for_verdict(const uint64_t* word, uint64_t tag) {
+  const uint64_t start = global_ns();
+  for (unsigned sleep_ns = 32;;) {
+    const uint64_t v = load_acquire(word);
+    if ((v >> kTagShift) == tag) return static_cast<int>(v & kValueMask);
+    if (global_ns() - start > kVerdictWaitNs) __trap();  // cannot happen: the bookkeeper is resident
+    __nanosleep(sleep_ns);
+    if (sleep_ns < 1024) sleep_ns *= 2;
+  }
+}
 
 // ------------------------------------------------------------------------------------ commit
 struct CommitOp {
@@ -275,6 +333,13 @@ struct CommitOp {
     }
   }
 
+  // The verdict, for the move blocks waiting on it (thread 0, after the status is written).
+  __device__ void publish(int code) const {
+    if (c.move_sync == nullptr) return;
+    __threadfence();
+    store_release(c.move_sync + 1, (c.move_tag << kTagShift) | static_cast<uint64_t>(code));
+  }
+
   __device__ void refuse() const {
     for (int b = threadIdx.x; b < a.num_requests; b += kThreads) {
       store_index(c.new_seq_lens, b, load_index(a.seq_lens, b));
@@ -348,6 +413,7 @@ __device__ void keep_books(const Op& op, const KvSlotBatch& a, Tile& tile) {
     a.status[4] = total.tokens;
     batch = total;
     code = verdict;
+    op.publish(verdict);
   }
   __syncthreads();
   if (code != kKvSlotsOk) {
@@ -390,11 +456,12 @@ __global__ void __launch_bounds__(kThreads)
 // only overwritten after every step that reads it. A lane owns the same units of a buffer in
 // every step, so program order alone keeps each element's read before its overwrite.
 template <typename U>
-__device__ void move_rows(const KvCommitArgs& c, int k, const int64_t* src, const int64_t* dst) {
+__device__ void move_rows(const KvCommitArgs& c, int k, const int64_t* src, const int64_t* dst, int share,
+                          int shares) {
   const int warp = threadIdx.x / 32;
   const int lane = threadIdx.x % 32;
   const int nb = c.num_kv_buffers;
-  for (int buf = blockIdx.y + gridDim.y * warp; buf < nb; buf += gridDim.y * kWarps) {
+  for (int buf = share + shares * warp; buf < nb; buf += shares * kWarps) {
     U* rows = reinterpret_cast<U*>(c.kv_table[buf]);
     const int64_t stride = c.kv_table[nb + buf] / static_cast<int64_t>(sizeof(U));
     const int64_t units = c.kv_table[2 * nb + buf] / static_cast<int64_t>(sizeof(U));
@@ -417,8 +484,12 @@ __device__ void move_rows(const KvCommitArgs& c, int k, const int64_t* src, cons
   }
 }
 
-__device__ void move_kv_rows(const CommitOp& op, Tile& tile, int b) {
+// Request b's rows in buffers share, share + shares, ...: its own request is analysed (and the
+// rows' slots read) while the bookkeeping block validates the batch; nothing moves unless the
+// published verdict accepts the whole call.
+__device__ void move_kv_rows(const CommitOp& op, Tile& tile, int b, int share, int shares) {
   __shared__ int64_t src[kMaxDraftTokens], dst[kMaxDraftTokens];
+  __shared__ int verdict;
   if (threadIdx.x < 32) op.analyze_request(tile, 0, b, threadIdx.x, 32, true);
   __syncthreads();
   const int k = tile.valid[0] ? tile.tokens[0] : 0;
@@ -431,24 +502,42 @@ __device__ void move_kv_rows(const CommitOp& op, Tile& tile, int b) {
     src[threadIdx.x] = load_index(op.a.req_to_token, base + from);
     dst[threadIdx.x] = load_index(op.a.req_to_token, base + threadIdx.x);
   }
+  if (threadIdx.x == 0) verdict = wait_for_verdict(c.move_sync + 1, c.move_tag);
   __syncthreads();
+  if (verdict != kKvSlotsOk) return;
   switch (c.kv_unit_bytes) {
-    case 16: move_rows<uint4>(c, k, src, dst); break;
-    case 8: move_rows<uint2>(c, k, src, dst); break;
-    case 4: move_rows<uint32_t>(c, k, src, dst); break;
-    case 2: move_rows<uint16_t>(c, k, src, dst); break;
-    default: move_rows<uint8_t>(c, k, src, dst); break;
+    case 16: move_rows<uint4>(c, k, src, dst, share, shares); break;
+    case 8: move_rows<uint2>(c, k, src, dst, share, shares); break;
+    case 4: move_rows<uint32_t>(c, k, src, dst, share, shares); break;
+    case 2: move_rows<uint16_t>(c, k, src, dst, share, shares); break;
+    default: move_rows<uint8_t>(c, k, src, dst, share, shares); break;
   }
 }
 
 __global__ void __launch_bounds__(kThreads)
     commit_draft_slots_kernel(KvSlotBatch a, KvCommitArgs c, int group_size, int64_t slot_bound, bool prefix_only) {
   __shared__ Tile tile;
+  __shared__ uint64_t ticket;
   const CommitOp op{a, c, group_size, slot_bound, prefix_only};
-  if (blockIdx.x > 0) {
-    move_kv_rows(op, tile, blockIdx.x - 1);
-  } else if (blockIdx.y == 0) {
+  if (c.move_sync == nullptr) {  // no rows move: the bookkeeping block alone
     keep_books(op, a, tile);
+    return;
+  }
+  if (threadIdx.x == 0) ticket = tagged_increment(c.move_sync, c.move_tag) - 1;
+  __syncthreads();
+  if (ticket == 0) {
+    keep_books(op, a, tile);
+  } else {
+    const int shares = c.kv_blocks_per_request;
+    move_kv_rows(op, tile, static_cast<int>((ticket - 1) / shares), static_cast<int>((ticket - 1) % shares), shares);
+  }
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    __threadfence();  // this block's reads of the scratch come before the last block zeroes it
+    if (tagged_increment(c.move_sync + 2, c.move_tag) == gridDim.x) {
+      __threadfence();
+      for (int i = 0; i < kKvMoveSyncWords; ++i) c.move_sync[i] = 0;
+    }
   }
 }
 
@@ -469,12 +558,18 @@ cudaError_t launch_alloc_draft_slots(const KvSlotBatch& batch, int64_t* out_cach
 
 cudaError_t launch_commit_draft_slots(const KvSlotBatch& batch, const KvCommitArgs& args, cudaStream_t stream) {
   const bool moves = batch.log2_page_size > 0 && args.kv_table != nullptr && batch.num_requests > 0;
+  if (moves && (args.move_sync == nullptr || args.move_tag == 0 || args.move_tag >> kKvMoveTagBits ||
+                1 + int64_t{batch.num_requests} * args.kv_blocks_per_request > kKvMoveMaxBlocks)) {
+    return cudaErrorInvalidValue;  // ops.cpp checks these with messages
+  }
   const int64_t pool_slots = batch.num_pages << batch.log2_page_size;
   const int64_t slot_bound = moves && args.num_kv_rows < pool_slots ? args.num_kv_rows : pool_slots;
   const bool prefix_only = batch.log2_page_size > 0 && !moves;
-  const dim3 grid(moves ? 1 + batch.num_requests : 1, moves ? args.kv_blocks_per_request : 1);
-  commit_draft_slots_kernel<<<grid, kThreads, 0, stream>>>(batch, args, group_size_for(batch.max_draft),
-                                                           slot_bound, prefix_only);
+  KvCommitArgs launch_args = args;
+  if (!moves) launch_args.move_sync = nullptr;
+  const unsigned blocks = moves ? 1 + static_cast<unsigned>(batch.num_requests) * args.kv_blocks_per_request : 1;
+  commit_draft_slots_kernel<<<blocks, kThreads, 0, stream>>>(batch, launch_args, group_size_for(batch.max_draft),
+                                                             slot_bound, prefix_only);
   return cudaGetLastError();
 }
 

@@ -11,6 +11,7 @@ in reference.py.
 from __future__ import annotations
 
 import collections
+import itertools
 from dataclasses import dataclass
 from typing import Optional, Sequence
 
@@ -69,6 +70,24 @@ def _kv_shares(device: torch.device, num_requests: int, num_buffers: int, buffer
     return max(1, min(most, -(-2 * sms // max(num_requests, 1))))
 
 
+_MOVE_TAGS = itertools.count()
+
+
+def move_sync(device: torch.device) -> tuple[torch.Tensor, int]:
+    """Scratch and tag for the hand-off between the bookkeeping block and the KV-move blocks of
+    one commit launch (csrc/kv_slots/kv_slots.cu). The scratch needs no initialisation: its words
+    count only under this call's tag, a new one per call, in [2^32, 2^38) (so the Triton kernel
+    always sees an int64). Inside a CUDA graph the captured tag is reused; every launch leaves its
+    scratch zeroed."""
+    span = (1 << triton_kernel.MOVE_TAG_BITS) - (1 << 32)
+    tag = (1 << 32) + next(_MOVE_TAGS) % span
+    return torch.empty(triton_kernel.MOVE_SYNC_WORDS, dtype=torch.int64, device=device), tag
+
+
+def _moves_rows(req_pool_indices: torch.Tensor, page_size: int, table: Optional[KvTable]) -> bool:
+    return table is not None and page_size > 1 and req_pool_indices.numel() > 0
+
+
 # --------------------------------------------------------------------------- implementations
 ALLOC.register("reference")(reference.alloc_draft_slots)
 ALLOC.register("triton")(triton_kernel.alloc_draft_slots)
@@ -80,8 +99,10 @@ def _commit_triton(req_to_token, req_pool_indices, seq_lens, num_draft, accept_i
                    num_free, page_size, max_draft, kv_buffers, new_seq_lens, status):
     table = kv_table(kv_buffers) if kv_buffers and page_size > 1 else None
     shares = _kv_shares(req_to_token.device, req_pool_indices.numel(), len(kv_buffers), 1)
+    sync, tag = move_sync(req_to_token.device) if _moves_rows(req_pool_indices, page_size, table) else (None, 0)
     triton_kernel.commit_draft_slots(req_to_token, req_pool_indices, seq_lens, num_draft, accept_index, accept_len,
-                                     free_pages, num_free, page_size, max_draft, table, new_seq_lens, status, shares)
+                                     free_pages, num_free, page_size, max_draft, table, new_seq_lens, status, shares,
+                                     sync, tag)
 
 
 @ALLOC.register("cuda")
@@ -99,10 +120,11 @@ def _commit_cuda(req_to_token, req_pool_indices, seq_lens, num_draft, accept_ind
                  num_free, page_size, max_draft, kv_buffers, new_seq_lens, status):
     table = kv_table(kv_buffers) if kv_buffers and page_size > 1 else None
     shares = _kv_shares(req_to_token.device, req_pool_indices.numel(), len(kv_buffers), CUDA_WARPS_PER_BLOCK)
+    sync, tag = move_sync(req_to_token.device) if _moves_rows(req_pool_indices, page_size, table) else (None, 0)
     cuda_ops().commit_draft_slots(
         req_to_token, req_pool_indices, seq_lens, num_draft, accept_index, accept_len, free_pages, num_free,
         page_size, max_draft, table.table if table else None, table.num_rows if table else 0,
-        table.unit_bytes if table else 1, shares, new_seq_lens, status)
+        table.unit_bytes if table else 1, shares, sync, tag, new_seq_lens, status)
 
 
 # --------------------------------------------------------------------------- custom ops
@@ -347,11 +369,11 @@ def commit_draft_slots(
     accept_len <= num_draft, draft slots in the pool and in kv_buffers, the stack not
     overflowing, distinct rows) on CPU tensors and on CUDA in debug mode, before anything
     changes (ValueError naming the argument). The kernels check the same rules (except
-    distinct rows) before touching the allocator state: a refused call leaves req_to_token,
-    free_pages and num_free unchanged (on CUDA without debug checks the KV rows of the batch's
-    valid requests may already have moved; they are draft rows of this step). One launch, no
-    host synchronisation unless check_status, capturable in a CUDA graph once the kv_buffers
-    table is cached (call it once before capture). Deterministic.
+    distinct rows) before touching the allocator state or any KV row: a refused call leaves
+    req_to_token, free_pages, num_free and kv_buffers unchanged. One launch (the KV-move blocks
+    wait inside it for the bookkeeping block's verdict on the whole batch), no host
+    synchronisation unless check_status, capturable in a CUDA graph once the kv_buffers table is
+    cached (call it once before capture). Deterministic.
 
     Example:
         >>> new_lens = spec_kernels.commit_draft_slots(req_to_token, req_pool_indices, seq_lens,

@@ -4,9 +4,13 @@ Program 0 keeps the books for the whole batch. It first validates every request 
 what the batch needs (so a failed call changes nothing: it only writes the status), then walks
 the batch in chunks of BLOCK_B requests with a running prefix sum, which gives every request its
 offset into the free-page stack and into out_cache_loc. Integer logic only: results equal the
-reference exactly. For commit with page_size > 1 and KV buffers, programs 1.. move the accepted
-drafts' KV rows (one request and a share of the buffers each); they check their own request
-and touch nothing program 0 reads or writes.
+reference exactly.
+
+Commit with page_size > 1 and KV buffers also moves the accepted drafts' KV rows in the same
+launch, with the hand-off of csrc/kv_slots/kv_slots.cu: programs take tickets as they start;
+ticket 0 keeps the books and publishes the verdict once the whole batch is validated; the other
+tickets each move one request's rows in a share of the buffers, after reading that verdict (and
+not at all if the call was refused). They touch nothing the bookkeeping program reads or writes.
 
 Same rules, codes and precedence as spec_kernels/kv_slots/reference.py (see there).
 """
@@ -28,6 +32,17 @@ _OUT_OF_PAGES = tl.constexpr(STATUS_OUT_OF_PAGES)
 _BAD_REQUEST = tl.constexpr(STATUS_BAD_REQUEST)
 _BAD_STACK = tl.constexpr(STATUS_BAD_STACK)
 _OUT_TOO_SMALL = tl.constexpr(STATUS_OUT_TOO_SMALL)
+
+# The launch-wide hand-off (kv_slots.cu, "launch-wide hand-off"): scratch words
+# (tag << MOVE_TAG_SHIFT) | value, below 2^63.
+MOVE_TAG_SHIFT = 25
+MOVE_TAG_BITS = 63 - MOVE_TAG_SHIFT
+MOVE_SYNC_WORDS = 3
+MOVE_MAX_PROGRAMS = (1 << (MOVE_TAG_SHIFT - 1)) - 1
+_TAG_SHIFT = tl.constexpr(MOVE_TAG_SHIFT)
+_VALUE_MASK = tl.constexpr((1 << MOVE_TAG_SHIFT) - 1)
+_SYNC_WORDS = tl.constexpr(MOVE_SYNC_WORDS)
+_MAX_POLLS = tl.constexpr(1 << 26)  # ~ seconds of polling; the bookkeeper needs microseconds
 
 
 @triton.jit
@@ -136,6 +151,38 @@ def _alloc_kernel(
         tl.store(NUM_FREE, top - pages)
 
 
+# --------------------------------------------------------------------------- hand-off
+@triton.jit
+def _tagged_increment(WORD, tag):
+    """Add one to a tagged counter (a word with another tag counts as 0); the new count."""
+    seen = tl.atomic_add(WORD, 0)
+    count = tl.full([], -1, tl.int64)
+    while count < 0:
+        want = tl.where((seen >> _TAG_SHIFT) == tag, seen + 1, (tag << _TAG_SHIFT) + 1)
+        prev = tl.atomic_cas(WORD, seen, want)
+        count = tl.where(prev == seen, want & _VALUE_MASK, -1)
+        seen = prev
+    return count
+
+
+@triton.jit
+def _wait_for_verdict(WORD, tag, ON_GPU: tl.constexpr):
+    """The published verdict. The bookkeeping program took its ticket before this one, so it is
+    running and the wait ends; after _MAX_POLLS polls (cannot happen) trap. The interpreter runs
+    the programs one by one in ticket order: a verdict not there at the first poll never comes
+    (a bug), and reads as "refused"."""
+    v = tl.atomic_add(WORD, 0)
+    if ON_GPU:
+        polls = 0
+        while ((v >> _TAG_SHIFT) != tag) & (polls < _MAX_POLLS):
+            v = tl.atomic_add(WORD, 0)
+            polls += 1
+        if (v >> _TAG_SHIFT) != tag:
+            tl.inline_asm_elementwise("trap; mov.u32 $0, $1;", "=r,r", [polls], dtype=tl.int32, is_pure=False,
+                                      pack=1)
+    return tl.where((v >> _TAG_SHIFT) == tag, v & _VALUE_MASK, -1)
+
+
 # --------------------------------------------------------------------------- commit
 @triton.jit
 def _commit_chunk(
@@ -177,8 +224,8 @@ def _commit_chunk(
 @triton.jit
 def _commit_books(
     RTT, stride_rtt, rows, max_ctx, RPI, SEQ, ND, ACC, stride_acc, width, ACC_LEN, slot_bound,
-    FREE, NUM_FREE, capacity, NEW_SEQ, STATUS, B, max_draft,
-    LOG2P: tl.constexpr, PREFIX_ONLY: tl.constexpr,
+    FREE, NUM_FREE, capacity, NEW_SEQ, STATUS, B, max_draft, SYNC, tag,
+    LOG2P: tl.constexpr, PREFIX_ONLY: tl.constexpr, MOVES: tl.constexpr,
     BLOCK_B: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_A: tl.constexpr, BLOCK_Q: tl.constexpr,
 ):
     P: tl.constexpr = 1 << LOG2P
@@ -195,6 +242,8 @@ def _commit_books(
         accepted += tl.sum(k, 0)
     code = _verdict(STATUS, top, capacity, bad, B, released, accepted,
                     tl.where(top + released > capacity, _BAD_STACK, _OK))
+    if MOVES:  # the move programs wait for this
+        tl.atomic_xchg(SYNC + 1, (tag << _TAG_SHIFT) + code.to(tl.int64))
 
     carry = tl.full([], 0, tl.int64)
     for start in range(0, B, BLOCK_B):
@@ -234,16 +283,21 @@ def _commit_books(
 @triton.jit
 def _move_kv_rows(
     RTT, stride_rtt, rows, max_ctx, RPI, SEQ, ND, ACC, stride_acc, width, ACC_LEN, slot_bound, B, max_draft,
-    KV_TABLE, num_buffers, req, share, num_shares,
-    LOG2P: tl.constexpr, UNIT_BYTES: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_A: tl.constexpr, BLOCK_U: tl.constexpr,
+    KV_TABLE, num_buffers, req, share, num_shares, SYNC, tag,
+    LOG2P: tl.constexpr, UNIT_BYTES: tl.constexpr, ON_GPU: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_A: tl.constexpr, BLOCK_U: tl.constexpr,
 ):
-    """Move the accepted drafts' KV rows of request `req` in buffers share, share + num_shares, ..."""
+    """Move the accepted drafts' KV rows of request `req` in buffers share, share + num_shares, ...
+    once the bookkeeping program has accepted the whole call."""
     b, live, r, L, n, k, ok, mask, slots, rel = _commit_chunk(
         RTT, stride_rtt, rows, max_ctx, RPI, SEQ, ND, ACC, stride_acc, width, ACC_LEN, slot_bound, max_draft,
         B, req, LOG2P, False, 1, BLOCK_N, BLOCK_A)
     k = tl.sum(k, 0)  # 0 when the request is invalid: nothing moves
     r = tl.sum(r, 0)
     L = tl.sum(L, 0)
+    if k > 0:
+        if _wait_for_verdict(SYNC + 1, tag, ON_GPU) != _OK:
+            k = tl.zeros_like(k)
     # Path order: draft path[j] >= j, so row j is overwritten only after every read of it.
     for j in range(0, k):
         a = tl.load(ACC + req * stride_acc + j).to(tl.int64)
@@ -269,24 +323,34 @@ def _move_kv_rows(
         tl.debug_barrier()
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["tag"])
 def _commit_kernel(
     RTT, stride_rtt, rows, max_ctx, RPI, SEQ, ND, ACC, stride_acc, width, ACC_LEN, slot_bound,
     FREE, NUM_FREE, capacity, NEW_SEQ, STATUS, B, max_draft,
-    KV_TABLE, num_buffers, num_shares,
-    LOG2P: tl.constexpr, PREFIX_ONLY: tl.constexpr, UNIT_BYTES: tl.constexpr,
-    BLOCK_B: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_A: tl.constexpr, BLOCK_Q: tl.constexpr,
+    KV_TABLE, num_buffers, num_shares, SYNC, tag,
+    LOG2P: tl.constexpr, PREFIX_ONLY: tl.constexpr, UNIT_BYTES: tl.constexpr, MOVES: tl.constexpr,
+    ON_GPU: tl.constexpr, BLOCK_B: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_A: tl.constexpr, BLOCK_Q: tl.constexpr,
     BLOCK_U: tl.constexpr,
 ):
-    pid = tl.program_id(0)
-    if pid == 0:
-        _commit_books(RTT, stride_rtt, rows, max_ctx, RPI, SEQ, ND, ACC, stride_acc, width, ACC_LEN, slot_bound,
-                      FREE, NUM_FREE, capacity, NEW_SEQ, STATUS, B, max_draft,
-                      LOG2P, PREFIX_ONLY, BLOCK_B, BLOCK_N, BLOCK_A, BLOCK_Q)
+    if MOVES:
+        tag = tag.to(tl.int64)
+        ticket = _tagged_increment(SYNC, tag) - 1  # roles by arrival: see the module docstring
+        if ticket == 0:
+            _commit_books(RTT, stride_rtt, rows, max_ctx, RPI, SEQ, ND, ACC, stride_acc, width, ACC_LEN, slot_bound,
+                          FREE, NUM_FREE, capacity, NEW_SEQ, STATUS, B, max_draft, SYNC, tag,
+                          LOG2P, PREFIX_ONLY, MOVES, BLOCK_B, BLOCK_N, BLOCK_A, BLOCK_Q)
+        else:
+            _move_kv_rows(RTT, stride_rtt, rows, max_ctx, RPI, SEQ, ND, ACC, stride_acc, width, ACC_LEN, slot_bound,
+                          B, max_draft, KV_TABLE, num_buffers, (ticket - 1) // num_shares, (ticket - 1) % num_shares,
+                          num_shares, SYNC, tag, LOG2P, UNIT_BYTES, ON_GPU, BLOCK_N, BLOCK_A, BLOCK_U)
+        # The last program to finish zeroes the scratch (a CUDA-graph replay reuses the tag).
+        if _tagged_increment(SYNC + 2, tag) == tl.num_programs(0):
+            for i in range(_SYNC_WORDS):
+                tl.atomic_xchg(SYNC + i, 0)
     else:
-        _move_kv_rows(RTT, stride_rtt, rows, max_ctx, RPI, SEQ, ND, ACC, stride_acc, width, ACC_LEN, slot_bound,
-                      B, max_draft, KV_TABLE, num_buffers, (pid - 1) // num_shares, (pid - 1) % num_shares,
-                      num_shares, LOG2P, UNIT_BYTES, BLOCK_N, BLOCK_A, BLOCK_U)
+        _commit_books(RTT, stride_rtt, rows, max_ctx, RPI, SEQ, ND, ACC, stride_acc, width, ACC_LEN, slot_bound,
+                      FREE, NUM_FREE, capacity, NEW_SEQ, STATUS, B, max_draft, SYNC, tag,
+                      LOG2P, PREFIX_ONLY, MOVES, BLOCK_B, BLOCK_N, BLOCK_A, BLOCK_Q)
 
 
 # --------------------------------------------------------------------------- launchers
@@ -309,12 +373,18 @@ def alloc_draft_slots(req_to_token, req_pool_indices, seq_lens, num_draft, free_
 
 def commit_draft_slots(req_to_token, req_pool_indices, seq_lens, num_draft, accept_index, accept_len,
                        free_pages, num_free, page_size: int, max_draft: int, kv_table, new_seq_lens, status,
-                       num_shares: int = 1) -> None:
+                       num_shares: int = 1, move_sync=None, move_tag: int = 0) -> None:
     """Arguments as reference.commit_draft_slots, except the KV buffers: kv_table is the
-    KvTable of api.py (or None); num_shares splits each request's buffers over that many programs."""
+    KvTable of api.py (or None); num_shares splits each request's buffers over that many programs;
+    move_sync (int64 [MOVE_SYNC_WORDS], any contents) and move_tag (in [1, 2^MOVE_TAG_BITS), new
+    for every call) are the hand-off's scratch when rows move."""
     B = req_pool_indices.numel()
     log2p = page_size.bit_length() - 1
     moves = page_size > 1 and kv_table is not None and B > 0
+    if moves and (move_sync is None or not 1 <= move_tag < 1 << MOVE_TAG_BITS
+                  or 1 + B * num_shares > MOVE_MAX_PROGRAMS):
+        raise ValueError("commit_draft_slots: moving KV rows needs move_sync, a move_tag in [1, 2^38) and "
+                         f"1 + B x num_shares <= {MOVE_MAX_PROGRAMS}")
     capacity = free_pages.numel()
     slot_bound = min(capacity * page_size, kv_table.num_rows) if moves else capacity * page_size
     width = accept_index.shape[1]
@@ -324,7 +394,9 @@ def commit_draft_slots(req_to_token, req_pool_indices, seq_lens, num_draft, acce
         req_pool_indices, seq_lens, num_draft, accept_index, accept_index.stride(0), width, accept_len, slot_bound,
         free_pages, num_free, capacity, new_seq_lens, status, B, max_draft,
         kv_table.table if moves else free_pages, kv_table.num_buffers if moves else 0, num_shares,
+        move_sync if moves else free_pages, move_tag if moves else 1 << 32,
         LOG2P=log2p, PREFIX_ONLY=page_size > 1 and not moves, UNIT_BYTES=min(kv_table.unit_bytes, 8) if moves else 1,
+        MOVES=moves, ON_GPU=req_to_token.is_cuda,
         BLOCK_B=_chunk(B), BLOCK_N=triton.next_power_of_2(max_draft), BLOCK_A=triton.next_power_of_2(max(width, 1)),
         BLOCK_Q=triton.next_power_of_2(max_draft // page_size + 2), BLOCK_U=128,
     )

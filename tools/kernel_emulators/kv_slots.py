@@ -263,6 +263,9 @@ class AllocOp:
                     self.out.st(t.token_off.ld(i, ctx) + d, slot, ctx)
                 i += gcount
 
+    def publish(self, code):
+        pass
+
     def refuse(self, blk):
         self.fill_out(blk, 0)
 
@@ -405,6 +408,11 @@ class CommitOp:
                         store_index(c.new_seq_lens, t0 + i, L + k, ctx)
             base += gcount
 
+    def publish(self, code):
+        """The verdict for the move blocks (thread 0, after the status; a release store)."""
+        if self.c.move_sync is not None:
+            self.c.move_sync.w[1] = (self.c.move_tag << TAG_SHIFT) | code
+
     def refuse(self, blk):
         for ctx in blk.ctx:
             b = ctx.tid
@@ -446,6 +454,7 @@ def keep_books(op, a, blk, tile, K):
     for idx, v in enumerate([verdict, total[0], top[0], total[2] if found else -1, total[1]]):
         a.status.st(idx, v, ctx)
     batch, code = total, verdict
+    op.publish(verdict)
     blk.sync()
     if code != OK:
         op.refuse(blk)
@@ -486,14 +495,14 @@ def alloc_kernel(a, out, out_capacity, group_size, K, tr):
     keep_books(AllocOp(a, out, out_capacity, group_size, K), a, blk, tile, K)
 
 
-def move_rows(op, blk, heap, unit, k, src, dst, by, gy, K):
+def move_rows(op, blk, heap, unit, k, src, dst, share, shares, K):
     c = op.c
     nb = c.num_kv_buffers
     kwarps = K // 32
     tbl = c.kv_table
     for ctx in blk.ctx:
         warp, lane = ctx.tid // 32, ctx.tid % 32
-        buf = by + gy * warp
+        buf = share + shares * warp
         while buf < nb:
             base = tbl.ld(buf, ctx)
             stride = tbl.ld(nb + buf, ctx) // unit
@@ -515,10 +524,34 @@ def move_rows(op, blk, heap, unit, k, src, dst, by, gy, K):
                         if c0 + 32 * u < units:
                             heap.st((to + c0 + 32 * u) * unit, vals[u], unit, ctx)
                     c0 += 32 * 4
-            buf += gy * kwarps
+            buf += shares * kwarps
 
 
-def move_kv_rows(op, blk, tile, b, heap, by, gy, K, tr):
+# ----------------------------------------------------------------------------- hand-off
+TAG_SHIFT = 25  # kKvMoveTagShift
+VALUE_MASK = (1 << TAG_SHIFT) - 1
+SYNC_WORDS = 3  # kKvMoveSyncWords
+WAIT_LIMIT = 100_000  # scheduler turns a waiting block may spend (the kernel: 10 s, then __trap)
+
+
+class Scratch:
+    """The hand-off's scratch words (uint64). Only thread 0 of a block touches them, through
+    atomics and acquire / release accesses, so they are not race-tracked; the emulated blocks
+    do not interleave inside one of these operations (atomicity)."""
+
+    def __init__(self, words):
+        self.w = [v & M64 for v in words]
+
+
+def tagged_increment(scr, i, tag):
+    seen = scr.w[i]
+    want = seen + 1 if (seen >> TAG_SHIFT) == tag else (tag << TAG_SHIFT) | 1
+    scr.w[i] = want  # atomicCAS(seen -> want) succeeds: nothing ran in between
+    return want & VALUE_MASK
+
+
+def move_kv_rows(op, blk, tile, b, share, shares, heap, K, tr):
+    """A generator: yields while it waits for the verdict."""
     src = Arr(f"b{blk.ctx[0].block}.src", [0] * K_MAX_DRAFT, tr)
     dst = Arr(f"b{blk.ctx[0].block}.dst", [0] * K_MAX_DRAFT, tr)
     ctxs = blk.ctx[:32]
@@ -538,8 +571,17 @@ def move_kv_rows(op, blk, tile, b, heap, by, gy, K, tr):
             frm = load_index(c.accept_index, b * c.accept_width + ctx.tid, ctx)
             src.st(ctx.tid, load_index(a.req_to_token, base + frm, ctx), ctx)
             dst.st(ctx.tid, load_index(a.req_to_token, base + ctx.tid, ctx), ctx)
+    waited = 0
+    while (c.move_sync.w[1] >> TAG_SHIFT) != c.move_tag:  # wait_for_verdict (thread 0)
+        waited += 1
+        if waited > WAIT_LIMIT:
+            raise AssertionError(f"block {blk.ctx[0].block} waits for a verdict that never comes (hang)")
+        yield "wait"
+    verdict = c.move_sync.w[1] & VALUE_MASK
     blk.sync()
-    move_rows(op, blk, heap, c.kv_unit_bytes, k, src, dst, by, gy, K)
+    if verdict != OK:
+        return
+    move_rows(op, blk, heap, c.kv_unit_bytes, k, src, dst, share, shares, K)
 
 
 def group_size_for(max_draft):
@@ -549,24 +591,61 @@ def group_size_for(max_draft):
     return g
 
 
-def commit_kernel(a, c, heap, K, tr, order="books_first"):
+def commit_block(op, a, c, heap, K, tr, bid, nblocks):
+    """One block of commit_draft_slots_kernel, a generator: yields after taking its ticket and
+    while it waits, so that the scheduler can interleave blocks."""
+    blk = Block(bid, K)
+    tile = Tile(K, tr, bid)
+    if c.move_sync is None:
+        keep_books(op, a, blk, tile, K)
+        return
+    ticket = tagged_increment(c.move_sync, 0, c.move_tag) - 1
+    yield "books" if ticket == 0 else "ticket"
+    if ticket == 0:
+        keep_books(op, a, blk, tile, K)
+    else:
+        shares = c.kv_blocks_per_request
+        yield from move_kv_rows(op, blk, tile, (ticket - 1) // shares, (ticket - 1) % shares, shares, heap, K, tr)
+    blk.sync()
+    if tagged_increment(c.move_sync, 2, c.move_tag) == nblocks:
+        for i in range(SYNC_WORDS):
+            c.move_sync.w[i] = 0
+
+
+def commit_kernel(a, c, heap, K, tr, seed=0):
+    """The launch. Blocks start in a random order (seeded); then either a random started block
+    resumes or the next one starts, or (one launch in three) the bookkeeping block runs only once
+    every other block has started and is waiting or done, so that move blocks do wait."""
     moves = a.log2_page_size > 0 and c.kv_table is not None and a.num_requests > 0
+    if moves:
+        assert c.move_sync is not None and 1 <= c.move_tag < 1 << (63 - TAG_SHIFT)
+    else:
+        c.move_sync = None
     pool_slots = a.num_pages << a.log2_page_size
     slot_bound = c.num_kv_rows if moves and c.num_kv_rows < pool_slots else pool_slots
     prefix_only = a.log2_page_size > 0 and not moves
-    gx = 1 + a.num_requests if moves else 1
-    gy = c.kv_blocks_per_request if moves else 1
+    nblocks = 1 + a.num_requests * c.kv_blocks_per_request if moves else 1
     op = CommitOp(a, c, group_size_for(a.max_draft), slot_bound, prefix_only, K)
-    blocks = [(x, y) for x in range(gx) for y in range(gy)]
-    if order == "books_last":
-        blocks = blocks[1:] + blocks[:1]
-    for bid, (x, y) in enumerate(blocks):
-        blk = Block(x * gy + y, K)
-        tile = Tile(K, tr, x * gy + y)
-        if x > 0:
-            move_kv_rows(op, blk, tile, x - 1, heap, y, gy, K, tr)
-        elif y == 0:
-            keep_books(op, a, blk, tile, K)
+    rng = random.Random(seed)
+    waiting = list(range(nblocks))
+    rng.shuffle(waiting)  # blockIdx order is irrelevant: roles come from tickets
+    running = {}  # generator -> what it last yielded
+    books_last = rng.random() < 1 / 3
+    eager = rng.choice([0.2, 0.5, 0.9])  # how often a new block starts rather than one resuming
+    while waiting or running:
+        if waiting and (books_last or not running or rng.random() < eager):
+            bid = waiting.pop()
+            g = commit_block(op, a, c, heap, K, tr, bid, nblocks)
+        elif books_last:
+            busy = [g for g, what in running.items() if what not in ("books", "wait")]
+            books = [g for g, what in running.items() if what == "books"]
+            g = busy[0] if busy else books[0] if books else rng.choice(list(running))
+        else:
+            g = rng.choice(list(running))
+        try:
+            running[g] = next(g)
+        except StopIteration:
+            running.pop(g, None)
 
 
 # ================================================================================ launches
@@ -626,12 +705,12 @@ def _kv_heap(kv_buffers):
 
 def emulate_commit(req_to_token, req_pool_indices, seq_lens, num_draft, accept_index, accept_len, free_pages,
                    num_free, page_size, max_draft, kv_buffers=(), threads=1024, kv_blocks_per_request=1,
-                   order="books_first"):
-    """launch_commit_draft_slots. Blocks run one after the other: order "books_first" runs the
-    bookkeeping block (0, 0) first, "books_last" after the KV-move blocks (the race detector
-    checks cross-block conflicts either way). Returns dict of the resulting req_to_token,
-    free_pages, num_free, new_seq_lens (-9 = never written), status, kv_buffers (new tensors with
-    the emulated contents), kv_storages ({storage address: bytes}) and races."""
+                   seed=0, scratch=(0, 0, 0), tag=1 << 32):
+    """launch_commit_draft_slots, its blocks interleaved as commit_kernel says (seed). scratch:
+    the hand-off words before the launch (any contents), tag: the call's tag. Returns dict of the
+    resulting req_to_token, free_pages, num_free, new_seq_lens (-9 = never written), status,
+    kv_buffers (new tensors with the emulated contents), kv_storages ({storage address: bytes}),
+    scratch (after the launch) and races."""
     tr = Tracker()
     a = _batch(tr, req_to_token, req_pool_indices, seq_lens, num_draft, free_pages, num_free, page_size, max_draft)
     kv_buffers = list(kv_buffers)
@@ -647,9 +726,11 @@ def emulate_commit(req_to_token, req_pool_indices, seq_lens, num_draft, accept_i
     new = Arr("new_seq_lens", [-9] * seq_lens.numel(), tr, 32 if seq_lens.dtype == torch.int32 else 64)
     c = Batch(accept_index=_arr("accept_index", accept_index, tr), accept_width=accept_index.shape[1],
               accept_len=_arr("accept_len", accept_len, tr), new_seq_lens=new, kv_table=table, num_kv_buffers=nb,
-              num_kv_rows=rows, kv_unit_bytes=unit, kv_blocks_per_request=kv_blocks_per_request)
+              num_kv_rows=rows, kv_unit_bytes=unit, kv_blocks_per_request=kv_blocks_per_request,
+              move_sync=Scratch(scratch), move_tag=tag)
+    sync = c.move_sync
     heap = Heap(heap_bytes.copy(), tr)
-    commit_kernel(a, c, heap, threads, tr, order)
+    commit_kernel(a, c, heap, threads, tr, seed)
     storages = {ptr: heap.b[off:off + kv_buffers[i].untyped_storage().nbytes()].copy()
                 for i, (ptr, off) in enumerate((t.untyped_storage().data_ptr(), where.get(t.untyped_storage().data_ptr()))
                                                for t in kv_buffers) if off is not None}
@@ -665,7 +746,7 @@ def emulate_commit(req_to_token, req_pool_indices, seq_lens, num_draft, accept_i
     return dict(req_to_token=_back(a.req_to_token, req_to_token), free_pages=_back(a.free_pages, free_pages),
                 num_free=_back(a.num_free, num_free), new_seq_lens=_back(new, seq_lens),
                 status=torch.tensor(a.status.d, dtype=torch.int64), kv_buffers=new_kv, kv_storages=storages,
-                races=tr.races)
+                scratch=list(sync.w), races=tr.races)
 
 
 # ================================================================================ checks
@@ -673,7 +754,7 @@ class Stats:
     """Counters of one check case, and the first few problems found."""
 
     def __init__(self):
-        self.n = dict(alloc=0, alloc_refused=0, commit=0, commit_refused=0, commit_moves=0, kv_moved_on_refusal=0,
+        self.n = dict(alloc=0, alloc_refused=0, commit=0, commit_refused=0, commit_moves=0,
                       mismatch=0, races=0)
         self.notes = []
 
@@ -714,15 +795,12 @@ def check_alloc(stats, ctx, rtt, rpi, seq, nd, free, num_free, page_size, max_dr
 
 
 def check_commit(stats, ctx, rtt, rpi, seq, nd, acc, acc_len, free, num_free, page_size, max_draft, kv, threads,
-                 kv_blocks_per_request=1, order="books_first"):
+                 kv_blocks_per_request=1, seed=0, scratch=(0, 0, 0)):
     """Reference and emulation on the same inputs, compared bit for bit, KV contents included
-    when the call is accepted. On a refusal the KV-move blocks may already have moved the valid
-    requests' rows (documented in api.py; the reference moves nothing), so KV is not compared then
-    and the count of such calls is reported as kv_moved_on_refusal."""
+    (a refused call moves no row), and the hand-off's scratch zeroed afterwards."""
     from spec_kernels.kv_slots import reference as R
-    kv0 = [t.clone() for t in kv]
     e = emulate_commit(rtt, rpi, seq, nd, acc, acc_len, free, num_free, page_size, max_draft, kv, threads,
-                       kv_blocks_per_request, order)
+                       kv_blocks_per_request, seed, scratch)
     r_rtt, r_free, r_nf = rtt.clone(), free.clone(), num_free.clone()
     r_new = torch.full_like(seq, -9)
     r_st = torch.full((R.STATUS_LEN,), -9, dtype=torch.int64)
@@ -731,18 +809,20 @@ def check_commit(stats, ctx, rtt, rpi, seq, nd, acc, acc_len, free, num_free, pa
     names = ["req_to_token", "free_pages", "num_free", "new_seq_lens", "status"]
     want = [r_rtt, r_free, r_nf, r_new, r_st]
     got = [e[n] for n in names]
-    if not refused:  # the reference ran on kv itself: compare whole storages byte for byte
-        for ptr, b in e["kv_storages"].items():
-            st = next(t.untyped_storage() for t in kv if t.untyped_storage().data_ptr() == ptr)
-            names.append(f"kv storage @{ptr:#x}")
-            want.append(torch.empty(0, dtype=torch.uint8).set_(st).clone())
-            got.append(torch.from_numpy(b))
-    elif any(not torch.equal(x, y) for x, y in zip(kv0, e["kv_buffers"])):
-        stats.n["kv_moved_on_refusal"] += 1
+    for ptr, b in e["kv_storages"].items():  # the reference ran on kv itself: whole storages, byte for byte
+        st = next(t.untyped_storage() for t in kv if t.untyped_storage().data_ptr() == ptr)
+        names.append(f"kv storage @{ptr:#x}")
+        want.append(torch.empty(0, dtype=torch.uint8).set_(st).clone())
+        got.append(torch.from_numpy(b))
+    moves = bool(kv) and page_size > 1 and rpi.numel() > 0
+    if moves:  # the last block zeroes the scratch; without moves the kernel never touches it
+        names.append("scratch")
+        want.append(torch.zeros(3, dtype=torch.int64))
+        got.append(torch.tensor([v - (1 << 64) if v >> 63 else v for v in e["scratch"]], dtype=torch.int64))
     ok = _compare(stats, "commit", ctx, names, want, got, e["races"])
     stats.n["commit"] += 1
     stats.n["commit_refused"] += int(refused)
-    stats.n["commit_moves"] += int(bool(kv) and page_size > 1 and not refused)
+    stats.n["commit_moves"] += int(moves and not refused)
     return ok, dict(status=r_st, req_to_token=r_rtt, free_pages=r_free, num_free=r_nf, new_seq_lens=r_new)
 
 
@@ -836,13 +916,13 @@ class World:
         kv = self.kv if use_kv else []
         if kv_rows is not None:
             kv = [t[:kv_rows] for t in kv]
-        heap0 = self.heap.copy()
-        ok, ref = check_commit(stats, ctx, self.rtt if rtt is None else rtt, rpi, seq, nd, acc, acc_len, self.free,
-                               self.num_free if num_free is None else num_free, self.P, self.max_draft, kv,
-                               self.threads, self.rng.choice([1, 2, 3]), self.rng.choice(["books_first", "books_last"]))
-        if ref["status"][0].item() != OK:
-            self.heap[:] = heap0  # a refused call changes nothing (the reference moved nothing either)
-        return ok, ref
+        # stale scratch: zeros, an older call's words, or garbage (never this call's tag)
+        old = (1 << 33) + self.rng.randrange(1 << 20)  # never the tag of the call: 1 << 32
+        scratch = self.rng.choice([(0, 0, 0), (old << TAG_SHIFT | 7, old << TAG_SHIFT | 2, old << TAG_SHIFT | 9),
+                                   (M64, 12345, 1 << 62)])
+        return check_commit(stats, ctx, self.rtt if rtt is None else rtt, rpi, seq, nd, acc, acc_len, self.free,
+                            self.num_free if num_free is None else num_free, self.P, self.max_draft, kv,
+                            self.threads, self.rng.choice([1, 2, 3]), self.rng.randrange(1 << 30), scratch)
 
 
 def random_path(rng, n):

@@ -77,7 +77,19 @@ struct KvCommitArgs {
   int64_t num_kv_rows;  // rows (slots) of every KV buffer
   int kv_unit_bytes;    // 1, 2, 4, 8 or 16; divides every address, stride and row size
   int kv_blocks_per_request;
+  // When rows move: kKvMoveSyncWords scratch words (any initial contents) for the launch-wide
+  // hand-off between the bookkeeping block and the KV-move blocks, and this call's tag in
+  // [1, 2^kKvMoveTagBits) (see kv_slots.cu).
+  uint64_t* move_sync;
+  uint64_t move_tag;
 };
+// A scratch word is (tag << kKvMoveTagShift) | value, below 2^63 (a non-negative int64 for the
+// Triton kernel too).
+constexpr int kKvMoveSyncWords = 3;
+constexpr int kKvMoveTagShift = 25;
+constexpr int kKvMoveTagBits = 63 - kKvMoveTagShift;
+// Largest commit grid when rows move (1 + num_requests x kv_blocks_per_request).
+constexpr int64_t kKvMoveMaxBlocks = (int64_t{1} << (kKvMoveTagShift - 1)) - 1;
 
 // Keeps each request's accepted path (page_size 1: remaps req_to_token; > 1: moves KV rows)
 // and pushes every other draft slot / wholly freed page. One launch.
