@@ -383,10 +383,13 @@ void commit_draft_slots(at::Tensor& req_to_token, const at::Tensor& req_pool_ind
     args.num_kv_rows = kv_rows;
     args.kv_unit_bytes = static_cast<int>(kv_unit_bytes);
     args.kv_blocks_per_request = static_cast<int>(kv_blocks_per_request);
-    TORCH_CHECK(1 + int64_t{batch.num_requests} * kv_blocks_per_request <= spec_kernels::kKvMoveMaxBlocks,
-                "commit_draft_slots: 1 + num_requests x kv_blocks_per_request must be <= ",
+  }
+  // Rows move (and the kernel needs the hand-off scratch) only with pages > 1 and requests.
+  if (kv_table.has_value() && page_size > 1 && batch.num_requests > 0) {
+    TORCH_CHECK(int64_t{batch.num_requests} * kv_blocks_per_request <= spec_kernels::kKvMoveMaxBlocks,
+                "commit_draft_slots: num_requests x kv_blocks_per_request must be <= ",
                 spec_kernels::kKvMoveMaxBlocks, ", got ", batch.num_requests, " x ", kv_blocks_per_request);
-    TORCH_CHECK(move_sync.has_value(), "move_sync is required with kv_table");
+    TORCH_CHECK(move_sync.has_value(), "move_sync is required when KV rows move (kv_table, page_size > 1)");
     const at::Tensor& w = *move_sync;
     TORCH_CHECK(w.device() == dev && w.scalar_type() == at::kLong && w.dim() == 1 &&
                     w.numel() == spec_kernels::kKvMoveSyncWords && w.is_contiguous(),

@@ -411,12 +411,15 @@ def test_kv_table_is_cached_and_aligned():
     assert kv_table([torch.zeros(10, 3, dtype=torch.int16)]).unit_bytes == 2
 
 
-def _hand_off_commit(move_sync, tag, device="cpu", impl="triton", num_shares=1):
-    """The commit of make_args (page size 4, rows move) through one kernel with the given scratch
-    and tag; returns (status, new_seq_lens, the args after)."""
+def _hand_off_commit(move_sync, tag, device="cpu", impl="triton", num_shares=1, make_bad=None):
+    """The commit of make_args (page size 4, rows move; make_bad = (name, fn) spoils an argument)
+    through one kernel with the given scratch and tag; returns (status, new_seq_lens, the args
+    after)."""
     from spec_kernels.kv_slots import api
 
     a = make_args(after_alloc=True)
+    if make_bad is not None:
+        a = _with(a, *make_bad)
     a = {k: (v.to(device) if isinstance(v, torch.Tensor) else [t.to(device) for t in v] if isinstance(v, list)
              else v) for k, v in a.items()}
     status = torch.full((reference.STATUS_LEN,), -9, dtype=torch.int64, device=device)
@@ -467,6 +470,47 @@ def check_hand_off_scratch(device, impl):
 
 def test_hand_off_scratch_needs_no_initialisation_and_is_zeroed_after():
     check_hand_off_scratch("cpu", "triton")
+
+
+def check_refused_then_accepted_with_one_scratch_and_tag(device, impl):
+    """A CUDA-graph replay reuses its tag and scratch: a refused launch must leave nothing that
+    the next launch with the same tag could mistake for its own (e.g. a stale verdict)."""
+    from spec_kernels.kv_slots.api import move_sync
+
+    want_status, want_new, want = _expected_commit()
+    scratch, tag = move_sync(device)
+    bad = _set(0, 4)  # accept_len 4 > 3 drafts: refused
+    status, new, got = _hand_off_commit(scratch, tag, device, impl, 2, make_bad=("accept_len", bad))
+    assert status[0].item() == reference.STATUS_BAD_REQUEST and scratch.tolist() == [0, 0, 0]
+    status, new, got = _hand_off_commit(scratch, tag, device, impl, 2)
+    assert status.tolist() == want_status.tolist() and new.tolist() == want_new.tolist()
+    for x, y in zip(got["kv_buffers"], want["kv_buffers"]):
+        assert torch.equal(x.cpu(), y)
+    assert scratch.tolist() == [0, 0, 0]
+
+
+def test_refused_then_accepted_with_one_scratch_and_tag():
+    check_refused_then_accepted_with_one_scratch_and_tag("cpu", "triton")
+
+
+def check_empty_batch_with_kv_buffers(device, impls):
+    """B = 0 with KV buffers and page size 4: nothing to do, no error, state unchanged."""
+    for impl in impls:
+        a = make_args(after_alloc=True)
+        a = {k: (v.to(device) if isinstance(v, torch.Tensor) else [t.to(device) for t in v] if isinstance(v, list)
+                 else v) for k, v in a.items()}
+        before = _state(a)
+        empty = torch.zeros(0, dtype=torch.int64, device=device)
+        new = spec_kernels.commit_draft_slots(a["req_to_token"], empty, empty, empty, empty.reshape(0, 3), empty,
+                                              a["free_pages"], a["num_free"], 4, kv_buffers=a["kv_buffers"],
+                                              impl=impl, check_status=True)
+        assert new.numel() == 0
+        for x, y in zip(before, _state(a)):
+            assert torch.equal(x, y), impl
+
+
+def test_empty_batch_with_kv_buffers():
+    check_empty_batch_with_kv_buffers("cpu", IMPLS)
 
 
 def test_move_sync_tags_are_new_and_in_range():
@@ -527,14 +571,22 @@ def test_gpu_kernels_refuse_bad_values_and_change_nothing(impl, op, name, make_b
 @pytest.mark.parametrize("impl", ["cuda", "triton"])
 def test_gpu_hand_off_scratch_needs_no_initialisation_and_is_zeroed_after(impl):
     check_hand_off_scratch("cuda", impl)
+    check_refused_then_accepted_with_one_scratch_and_tag("cuda", impl)
+
+
+@pytest.mark.gpu
+def test_gpu_empty_batch_with_kv_buffers():
+    check_empty_batch_with_kv_buffers("cuda", ["cuda", "triton"])
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("impl", ["cuda", "triton"])
 @pytest.mark.parametrize("page_size", [1, 16])
 def test_gpu_alloc_and_commit_capture_in_a_cuda_graph(impl, page_size):
-    """One step (alloc, write the drafts' KV, commit) captured in a CUDA graph and replayed equals
-    the reference: no host sync, no allocation outside the graph's pool."""
+    """One step (alloc, write the drafts' KV, commit) captured in a CUDA graph and replayed twice
+    equals the reference doing the step twice: no host sync, no allocation outside the graph's
+    pool, and the commit's hand-off scratch (page size 16) is clean again for the second replay,
+    which reuses the captured tag."""
     sim = Sim([("reference", "cpu"), (impl, "cuda")], num_pages=400 // page_size + 8, page_size=page_size,
               draw=Draw(seed=2))
     sim.admit([0, 2, 5], [7, 0, 33])
@@ -555,7 +607,7 @@ def test_gpu_alloc_and_commit_capture_in_a_cuda_graph(impl, page_size):
                                                     state.free_pages, state.num_free, page_size,
                                                     kv_buffers=state.kv, impl=state.impl)
 
-    ref_out = step(ref, *inputs, drafts)
+    ref_outs = [[t.clone() for t in step(ref, *inputs, drafts)] for _ in range(2)]
     draft_values = drafts.to(dev)
     scratch = type(gpu)(impl, *(t.clone() for t in (gpu.req_to_token, gpu.free_pages, gpu.num_free)),
                         [t.clone() for t in gpu.kv])
@@ -565,11 +617,12 @@ def test_gpu_alloc_and_commit_capture_in_a_cuda_graph(impl, page_size):
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         gpu_out = step(gpu, *g_in, draft_values)
-    graph.replay()
-    torch.cuda.synchronize()
-    for x, y in zip(ref_out, gpu_out):
-        assert torch.equal(x, y.cpu())
-    sim.assert_lockstep("graph replay")
+    for ref_out in ref_outs:
+        graph.replay()
+        torch.cuda.synchronize()
+        for x, y in zip(ref_out, gpu_out):
+            assert torch.equal(x, y.cpu())
+    sim.assert_lockstep("two graph replays")
 
 
 # --------------------------------------------------------------------------- Triton without a GPU

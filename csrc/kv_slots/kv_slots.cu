@@ -9,13 +9,13 @@
 // kThreads; inside a tile a group of G = min(32, next_pow2(max_draft)) lanes handles one request,
 // each lane at most kItems draft tokens.
 //
-// Commit with page_size > 1 and KV buffers also moves the accepted KV rows, in the same launch:
-// 1 + num_requests x kv_blocks_per_request blocks take tickets in the order they start. Ticket 0
-// keeps the books and publishes its verdict once the whole batch is validated; ticket 1 + b * y + s
-// moves request b's rows in buffers s, s + y, ... after reading that verdict, and moves nothing if
-// the call was refused. A waiting block started after the bookkeeping block, which is therefore
-// resident: the wait ends (tickets by arrival, not blockIdx, as in CUB's decoupled look-back). The
-// move blocks never touch what the bookkeeping block writes. See "Launch-wide hand-off" below.
+// Commit with page_size > 1 and KV buffers also moves the accepted KV rows, in the same launch
+// of num_requests x kv_blocks_per_request blocks: block (b, s) moves request b's rows in buffers
+// s, s + y, .... The first block to arrive is elected to keep the books first; it publishes its
+// verdict once the whole batch is validated, and every block waits for it before moving anything
+// (nothing moves if the call was refused). The blocks wait only for a block that was running when
+// they arrived, so the wait ends. The move blocks never touch what the bookkeeping writes. See
+// "launch-wide hand-off" below.
 #include <cub/block/block_reduce.cuh>
 #include <cub/block/block_scan.cuh>
 
@@ -176,14 +176,18 @@ struct AllocOp {
 };
 
 // ------------------------------------------------------------------ launch-wide hand-off
-// Three scratch words, each (tag << kTagShift) | value; a word with another tag reads as 0, so
-// the scratch needs no initialisation (a fresh allocation holds older tags or zeros; garbage
-// fakes this call's 38-bit tag with probability 2^-38 per word). sync[0] hands out tickets, sync[1] holds
-// the verdict once published, sync[2] counts finished blocks; the last block to finish zeroes all
-// three, so a CUDA-graph replay (same tag) starts clean.
+// Three scratch words, each (tag << kTagShift) | value, with a tag new for every call (api.py);
+// a word with another tag is as good as zero, so the scratch needs no initialisation (a fresh
+// allocation holds zeros, older calls' words, or garbage that fakes this 38-bit tag with
+// probability 2^-38). sync[0]: the election, sync[1]: the verdict, sync[2]: blocks finished,
+// set to (tag, 0) by the bookkeeper before it publishes the verdict. The last block to finish
+// zeroes all three. One scratch per launch: concurrent launches must not share one.
 constexpr int kTagShift = kKvMoveTagShift;
 constexpr uint64_t kValueMask = (uint64_t{1} << kTagShift) - 1;
-constexpr uint64_t kVerdictWaitNs = 10ull * 1000 * 1000 * 1000;  // then __trap(): never hang
+// Polls of the verdict before __trap() (a broken invariant, never a hang): with the back-off,
+// minutes of polling. Counted in polls, not in wall time, so that a debugger pause or a
+// preemption does not count.
+constexpr uint32_t kMaxVerdictPolls = 1u << 27;
 
 __device__ __forceinline__ uint64_t load_acquire(const uint64_t* p) {
   uint64_t v;
@@ -195,31 +199,21 @@ __device__ __forceinline__ void store_release(uint64_t* p, uint64_t v) {
   asm volatile("st.release.gpu.global.u64 [%0], %1;" : : "l"(p), "l"(v) : "memory");
 }
 
-__device__ __forceinline__ uint64_t global_ns() {
-  uint64_t t;
-  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
-  return t;
+// Whether the calling block keeps the books: exactly one block of the launch wins; at most one
+// compare-and-swap per block, no retries (a block that sees this call's tag has lost).
+__device__ bool elect_bookkeeper(uint64_t* word, uint64_t tag) {
+  const unsigned long long seen = load_acquire(word);
+  if ((seen >> kTagShift) == tag) return false;
+  return atomicCAS(reinterpret_cast<unsigned long long*>(word), seen, tag << kTagShift) == seen;
 }
 
-// Adds one to a tagged counter; returns the count after this call's increment.
-__device__ uint64_t tagged_increment(uint64_t* word, uint64_t tag) {
-  auto* w = reinterpret_cast<unsigned long long*>(word);
-  unsigned long long seen = load_acquire(word);
-  for (;;) {
-    const unsigned long long want = (seen >> kTagShift) == tag ? seen + 1 : (tag << kTagShift) | 1;
-    const unsigned long long prev = atomicCAS(w, seen, want);
-    if (prev == seen) return want & kValueMask;
-    seen = prev;
-  }
-}
-
-// The published verdict (a KvSlotStatus). Called by one thread of a move block.
+// The published verdict (a KvSlotStatus). Called by one thread per block.
 __device__ int wait_for_verdict(const uint64_t* word, uint64_t tag) {
-  const uint64_t start = global_ns();
-  for (unsigned sleep_ns = 32;;) {
+  unsigned sleep_ns = 32;
+  for (uint32_t polls = 0;; ++polls) {
     const uint64_t v = load_acquire(word);
     if ((v >> kTagShift) == tag) return static_cast<int>(v & kValueMask);
-    if (global_ns() - start > kVerdictWaitNs) __trap();  // cannot happen: the bookkeeper is resident
+    if (polls == kMaxVerdictPolls) __trap();  // cannot happen: the bookkeeper was running
     __nanosleep(sleep_ns);
     if (sleep_ns < 1024) sleep_ns *= 2;
   }
@@ -333,10 +327,11 @@ struct CommitOp {
     }
   }
 
-  // The verdict, for the move blocks waiting on it (thread 0, after the status is written).
+  // The verdict, for the blocks waiting on it (thread 0, after the status is written); the
+  // release also publishes the zeroed count of finished blocks.
   __device__ void publish(int code) const {
     if (c.move_sync == nullptr) return;
-    __threadfence();
+    c.move_sync[2] = c.move_tag << kTagShift;
     store_release(c.move_sync + 1, (c.move_tag << kTagShift) | static_cast<uint64_t>(code));
   }
 
@@ -485,8 +480,9 @@ __device__ void move_rows(const KvCommitArgs& c, int k, const int64_t* src, cons
 }
 
 // Request b's rows in buffers share, share + shares, ...: its own request is analysed (and the
-// rows' slots read) while the bookkeeping block validates the batch; nothing moves unless the
-// published verdict accepts the whole call.
+// rows' slots read) while the bookkeeping validates the batch; nothing moves unless the published
+// verdict accepts the whole call. Every block waits for the verdict, also with nothing to move:
+// the count of finished blocks is valid only after it.
 __device__ void move_kv_rows(const CommitOp& op, Tile& tile, int b, int share, int shares) {
   __shared__ int64_t src[kMaxDraftTokens], dst[kMaxDraftTokens];
   __shared__ int verdict;
@@ -494,17 +490,17 @@ __device__ void move_kv_rows(const CommitOp& op, Tile& tile, int b, int share, i
   __syncthreads();
   const int k = tile.valid[0] ? tile.tokens[0] : 0;
   const uint64_t prefix = k == kMaxDraftTokens ? ~uint64_t{0} : (uint64_t{1} << k) - 1;
-  if (k == 0 || tile.mask[0] == prefix) return;  // refused, or nothing moves
+  const bool moves = k > 0 && tile.mask[0] != prefix;  // else refused, or nothing moves
   const KvCommitArgs& c = op.c;
-  const int64_t base = int64_t{tile.row[0]} * op.a.max_context + tile.len[0];
-  if (threadIdx.x < k) {
+  if (moves && threadIdx.x < k) {
+    const int64_t base = int64_t{tile.row[0]} * op.a.max_context + tile.len[0];
     const int64_t from = load_index(c.accept_index, b * c.accept_width + threadIdx.x);
     src[threadIdx.x] = load_index(op.a.req_to_token, base + from);
     dst[threadIdx.x] = load_index(op.a.req_to_token, base + threadIdx.x);
   }
   if (threadIdx.x == 0) verdict = wait_for_verdict(c.move_sync + 1, c.move_tag);
   __syncthreads();
-  if (verdict != kKvSlotsOk) return;
+  if (!moves || verdict != kKvSlotsOk) return;
   switch (c.kv_unit_bytes) {
     case 16: move_rows<uint4>(c, k, src, dst, share, shares); break;
     case 8: move_rows<uint2>(c, k, src, dst, share, shares); break;
@@ -517,24 +513,25 @@ __device__ void move_kv_rows(const CommitOp& op, Tile& tile, int b, int share, i
 __global__ void __launch_bounds__(kThreads)
     commit_draft_slots_kernel(KvSlotBatch a, KvCommitArgs c, int group_size, int64_t slot_bound, bool prefix_only) {
   __shared__ Tile tile;
-  __shared__ uint64_t ticket;
+  __shared__ bool bookkeeper;
   const CommitOp op{a, c, group_size, slot_bound, prefix_only};
   if (c.move_sync == nullptr) {  // no rows move: the bookkeeping block alone
     keep_books(op, a, tile);
     return;
   }
-  if (threadIdx.x == 0) ticket = tagged_increment(c.move_sync, c.move_tag) - 1;
+  if (threadIdx.x == 0) bookkeeper = elect_bookkeeper(c.move_sync, c.move_tag);
   __syncthreads();
-  if (ticket == 0) {
+  if (bookkeeper) {
     keep_books(op, a, tile);
-  } else {
-    const int shares = c.kv_blocks_per_request;
-    move_kv_rows(op, tile, static_cast<int>((ticket - 1) / shares), static_cast<int>((ticket - 1) % shares), shares);
+    __syncthreads();  // the tile is reused below
   }
+  const int shares = c.kv_blocks_per_request;
+  move_kv_rows(op, tile, static_cast<int>(blockIdx.x / shares), static_cast<int>(blockIdx.x % shares), shares);
   __syncthreads();
   if (threadIdx.x == 0) {
-    __threadfence();  // this block's reads of the scratch come before the last block zeroes it
-    if (tagged_increment(c.move_sync + 2, c.move_tag) == gridDim.x) {
+    __threadfence();  // this block's accesses to the scratch come before the last block zeroes it
+    const unsigned long long before = atomicAdd(reinterpret_cast<unsigned long long*>(c.move_sync + 2), 1ull);
+    if ((before & kValueMask) + 1 == gridDim.x) {
       __threadfence();
       for (int i = 0; i < kKvMoveSyncWords; ++i) c.move_sync[i] = 0;
     }
@@ -559,7 +556,8 @@ cudaError_t launch_alloc_draft_slots(const KvSlotBatch& batch, int64_t* out_cach
 cudaError_t launch_commit_draft_slots(const KvSlotBatch& batch, const KvCommitArgs& args, cudaStream_t stream) {
   const bool moves = batch.log2_page_size > 0 && args.kv_table != nullptr && batch.num_requests > 0;
   if (moves && (args.move_sync == nullptr || args.move_tag == 0 || args.move_tag >> kKvMoveTagBits ||
-                1 + int64_t{batch.num_requests} * args.kv_blocks_per_request > kKvMoveMaxBlocks)) {
+                args.kv_blocks_per_request < 1 ||
+                int64_t{batch.num_requests} * args.kv_blocks_per_request > kKvMoveMaxBlocks)) {
     return cudaErrorInvalidValue;  // ops.cpp checks these with messages
   }
   const int64_t pool_slots = batch.num_pages << batch.log2_page_size;
@@ -567,7 +565,7 @@ cudaError_t launch_commit_draft_slots(const KvSlotBatch& batch, const KvCommitAr
   const bool prefix_only = batch.log2_page_size > 0 && !moves;
   KvCommitArgs launch_args = args;
   if (!moves) launch_args.move_sync = nullptr;
-  const unsigned blocks = moves ? 1 + static_cast<unsigned>(batch.num_requests) * args.kv_blocks_per_request : 1;
+  const unsigned blocks = moves ? static_cast<unsigned>(batch.num_requests) * args.kv_blocks_per_request : 1;
   commit_draft_slots_kernel<<<blocks, kThreads, 0, stream>>>(batch, launch_args, group_size_for(batch.max_draft),
                                                              slot_bound, prefix_only);
   return cudaGetLastError();

@@ -74,11 +74,13 @@ _MOVE_TAGS = itertools.count()
 
 
 def move_sync(device: torch.device) -> tuple[torch.Tensor, int]:
-    """Scratch and tag for the hand-off between the bookkeeping block and the KV-move blocks of
-    one commit launch (csrc/kv_slots/kv_slots.cu). The scratch needs no initialisation: its words
-    count only under this call's tag, a new one per call, in [2^32, 2^38) (so the Triton kernel
-    always sees an int64). Inside a CUDA graph the captured tag is reused; every launch leaves its
-    scratch zeroed."""
+    """Scratch and tag for the hand-off of the verdict to the KV-move blocks of one commit launch
+    (csrc/kv_slots/kv_slots.cu). The scratch needs no initialisation: its words count only under
+    this call's tag, a new one per call, in [2^32, 2^38) (so the Triton kernel always sees an
+    int64); garbage fakes the tag with probability 2^-38. Every launch leaves its scratch zeroed.
+    Inside a CUDA graph the captured tag is reused by every replay, and the scratch memory may be
+    reused by a later tensor of the same graph; either way the next replay finds zeros or words
+    without its tag. A new scratch per call: concurrent launches never share one."""
     span = (1 << triton_kernel.MOVE_TAG_BITS) - (1 << 32)
     tag = (1 << 32) + next(_MOVE_TAGS) % span
     return torch.empty(triton_kernel.MOVE_SYNC_WORDS, dtype=torch.int64, device=device), tag

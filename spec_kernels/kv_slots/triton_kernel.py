@@ -7,10 +7,10 @@ offset into the free-page stack and into out_cache_loc. Integer logic only: resu
 reference exactly.
 
 Commit with page_size > 1 and KV buffers also moves the accepted drafts' KV rows in the same
-launch, with the hand-off of csrc/kv_slots/kv_slots.cu: programs take tickets as they start;
-ticket 0 keeps the books and publishes the verdict once the whole batch is validated; the other
-tickets each move one request's rows in a share of the buffers, after reading that verdict (and
-not at all if the call was refused). They touch nothing the bookkeeping program reads or writes.
+launch, with the hand-off of csrc/kv_slots/kv_slots.cu: program (b, s) moves request b's rows in
+a share s of the buffers; the first program to arrive is elected to keep the books first and
+publishes the verdict once the whole batch is validated; every program waits for it, and nothing
+moves if the call was refused. The moves touch nothing the bookkeeping reads or writes.
 
 Same rules, codes and precedence as spec_kernels/kv_slots/reference.py (see there).
 """
@@ -19,6 +19,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from .. import _ops
 from .reference import (
     STATUS_BAD_REQUEST,
     STATUS_BAD_STACK,
@@ -38,11 +39,11 @@ _OUT_TOO_SMALL = tl.constexpr(STATUS_OUT_TOO_SMALL)
 MOVE_TAG_SHIFT = 25
 MOVE_TAG_BITS = 63 - MOVE_TAG_SHIFT
 MOVE_SYNC_WORDS = 3
-MOVE_MAX_PROGRAMS = (1 << (MOVE_TAG_SHIFT - 1)) - 1
+MOVE_MAX_PROGRAMS = (1 << (MOVE_TAG_SHIFT - 1)) - 1  # num_requests x shares
 _TAG_SHIFT = tl.constexpr(MOVE_TAG_SHIFT)
 _VALUE_MASK = tl.constexpr((1 << MOVE_TAG_SHIFT) - 1)
 _SYNC_WORDS = tl.constexpr(MOVE_SYNC_WORDS)
-_MAX_POLLS = tl.constexpr(1 << 26)  # ~ seconds of polling; the bookkeeper needs microseconds
+_MAX_POLLS = tl.constexpr(1 << 27)  # minutes of polling with the back-off; the bookkeeper needs microseconds
 
 
 @triton.jit
@@ -153,30 +154,29 @@ def _alloc_kernel(
 
 # --------------------------------------------------------------------------- hand-off
 @triton.jit
-def _tagged_increment(WORD, tag):
-    """Add one to a tagged counter (a word with another tag counts as 0); the new count."""
+def _elect_bookkeeper(WORD, tag):
+    """Whether this program keeps the books: exactly one of the launch wins, with at most one
+    compare-and-swap each (seeing this call's tag means another program has won)."""
     seen = tl.atomic_add(WORD, 0)
-    count = tl.full([], -1, tl.int64)
-    while count < 0:
-        want = tl.where((seen >> _TAG_SHIFT) == tag, seen + 1, (tag << _TAG_SHIFT) + 1)
-        prev = tl.atomic_cas(WORD, seen, want)
-        count = tl.where(prev == seen, want & _VALUE_MASK, -1)
-        seen = prev
-    return count
+    won = (seen >> _TAG_SHIFT) != tag
+    if won:
+        won = tl.atomic_cas(WORD, seen, tag << _TAG_SHIFT) == seen
+    return won
 
 
 @triton.jit
 def _wait_for_verdict(WORD, tag, ON_GPU: tl.constexpr):
-    """The published verdict. The bookkeeping program took its ticket before this one, so it is
-    running and the wait ends; after _MAX_POLLS polls (cannot happen) trap. The interpreter runs
-    the programs one by one in ticket order: a verdict not there at the first poll never comes
-    (a bug), and reads as "refused"."""
+    """The published verdict. The bookkeeping program was running when this one arrived, so the
+    wait ends; after _MAX_POLLS polls (cannot happen) trap. The interpreter runs the programs one
+    by one in order, so the first (the bookkeeper) has always finished: a verdict not there at the
+    first poll never comes (a bug), and reads as "refused"."""
     v = tl.atomic_add(WORD, 0)
     if ON_GPU:
         polls = 0
         while ((v >> _TAG_SHIFT) != tag) & (polls < _MAX_POLLS):
+            polls = tl.inline_asm_elementwise("nanosleep.u32 512;\n\tadd.s32 $0, $1, 1;", "=r,r", [polls],
+                                              dtype=tl.int32, is_pure=False, pack=1)
             v = tl.atomic_add(WORD, 0)
-            polls += 1
         if (v >> _TAG_SHIFT) != tag:
             tl.inline_asm_elementwise("trap; mov.u32 $0, $1;", "=r,r", [polls], dtype=tl.int32, is_pure=False,
                                       pack=1)
@@ -242,7 +242,8 @@ def _commit_books(
         accepted += tl.sum(k, 0)
     code = _verdict(STATUS, top, capacity, bad, B, released, accepted,
                     tl.where(top + released > capacity, _BAD_STACK, _OK))
-    if MOVES:  # the move programs wait for this
+    if MOVES:  # every program waits for this; it also publishes the zeroed count of finished ones
+        tl.atomic_xchg(SYNC + 2, tag << _TAG_SHIFT)
         tl.atomic_xchg(SYNC + 1, (tag << _TAG_SHIFT) + code.to(tl.int64))
 
     carry = tl.full([], 0, tl.int64)
@@ -288,16 +289,16 @@ def _move_kv_rows(
     BLOCK_N: tl.constexpr, BLOCK_A: tl.constexpr, BLOCK_U: tl.constexpr,
 ):
     """Move the accepted drafts' KV rows of request `req` in buffers share, share + num_shares, ...
-    once the bookkeeping program has accepted the whole call."""
+    once the bookkeeping has accepted the whole call (waits for its verdict in any case: the count
+    of finished programs is valid only after it)."""
     b, live, r, L, n, k, ok, mask, slots, rel = _commit_chunk(
         RTT, stride_rtt, rows, max_ctx, RPI, SEQ, ND, ACC, stride_acc, width, ACC_LEN, slot_bound, max_draft,
         B, req, LOG2P, False, 1, BLOCK_N, BLOCK_A)
     k = tl.sum(k, 0)  # 0 when the request is invalid: nothing moves
     r = tl.sum(r, 0)
     L = tl.sum(L, 0)
-    if k > 0:
-        if _wait_for_verdict(SYNC + 1, tag, ON_GPU) != _OK:
-            k = tl.zeros_like(k)
+    if _wait_for_verdict(SYNC + 1, tag, ON_GPU) != _OK:
+        k = tl.zeros_like(k)
     # Path order: draft path[j] >= j, so row j is overwritten only after every read of it.
     for j in range(0, k):
         a = tl.load(ACC + req * stride_acc + j).to(tl.int64)
@@ -334,17 +335,16 @@ def _commit_kernel(
 ):
     if MOVES:
         tag = tag.to(tl.int64)
-        ticket = _tagged_increment(SYNC, tag) - 1  # roles by arrival: see the module docstring
-        if ticket == 0:
+        if _elect_bookkeeper(SYNC, tag):  # see the module docstring
             _commit_books(RTT, stride_rtt, rows, max_ctx, RPI, SEQ, ND, ACC, stride_acc, width, ACC_LEN, slot_bound,
                           FREE, NUM_FREE, capacity, NEW_SEQ, STATUS, B, max_draft, SYNC, tag,
                           LOG2P, PREFIX_ONLY, MOVES, BLOCK_B, BLOCK_N, BLOCK_A, BLOCK_Q)
-        else:
-            _move_kv_rows(RTT, stride_rtt, rows, max_ctx, RPI, SEQ, ND, ACC, stride_acc, width, ACC_LEN, slot_bound,
-                          B, max_draft, KV_TABLE, num_buffers, (ticket - 1) // num_shares, (ticket - 1) % num_shares,
-                          num_shares, SYNC, tag, LOG2P, UNIT_BYTES, ON_GPU, BLOCK_N, BLOCK_A, BLOCK_U)
+        pid = tl.program_id(0)
+        _move_kv_rows(RTT, stride_rtt, rows, max_ctx, RPI, SEQ, ND, ACC, stride_acc, width, ACC_LEN, slot_bound,
+                      B, max_draft, KV_TABLE, num_buffers, pid // num_shares, pid % num_shares, num_shares, SYNC, tag,
+                      LOG2P, UNIT_BYTES, ON_GPU, BLOCK_N, BLOCK_A, BLOCK_U)
         # The last program to finish zeroes the scratch (a CUDA-graph replay reuses the tag).
-        if _tagged_increment(SYNC + 2, tag) == tl.num_programs(0):
+        if (tl.atomic_add(SYNC + 2, 1) & _VALUE_MASK) + 1 == tl.num_programs(0):
             for i in range(_SYNC_WORDS):
                 tl.atomic_xchg(SYNC + i, 0)
     else:
@@ -376,19 +376,20 @@ def commit_draft_slots(req_to_token, req_pool_indices, seq_lens, num_draft, acce
                        num_shares: int = 1, move_sync=None, move_tag: int = 0) -> None:
     """Arguments as reference.commit_draft_slots, except the KV buffers: kv_table is the
     KvTable of api.py (or None); num_shares splits each request's buffers over that many programs;
-    move_sync (int64 [MOVE_SYNC_WORDS], any contents) and move_tag (in [1, 2^MOVE_TAG_BITS), new
-    for every call) are the hand-off's scratch when rows move."""
+    move_sync (int64 [MOVE_SYNC_WORDS], any contents, not shared with a concurrent launch) and
+    move_tag (in [1, 2^MOVE_TAG_BITS), new for every call) are the hand-off's scratch when rows
+    move."""
     B = req_pool_indices.numel()
     log2p = page_size.bit_length() - 1
     moves = page_size > 1 and kv_table is not None and B > 0
     if moves and (move_sync is None or not 1 <= move_tag < 1 << MOVE_TAG_BITS
-                  or 1 + B * num_shares > MOVE_MAX_PROGRAMS):
+                  or not 1 <= B * num_shares <= MOVE_MAX_PROGRAMS):
         raise ValueError("commit_draft_slots: moving KV rows needs move_sync, a move_tag in [1, 2^38) and "
-                         f"1 + B x num_shares <= {MOVE_MAX_PROGRAMS}")
+                         f"1 <= B x num_shares <= {MOVE_MAX_PROGRAMS}")
     capacity = free_pages.numel()
     slot_bound = min(capacity * page_size, kv_table.num_rows) if moves else capacity * page_size
     width = accept_index.shape[1]
-    grid = (1 + (B * num_shares if moves else 0),)
+    grid = (B * num_shares if moves else 1,)
     _commit_kernel[grid](
         req_to_token, req_to_token.stride(0), req_to_token.shape[0], req_to_token.shape[1],
         req_pool_indices, seq_lens, num_draft, accept_index, accept_index.stride(0), width, accept_len, slot_bound,
@@ -396,7 +397,7 @@ def commit_draft_slots(req_to_token, req_pool_indices, seq_lens, num_draft, acce
         kv_table.table if moves else free_pages, kv_table.num_buffers if moves else 0, num_shares,
         move_sync if moves else free_pages, move_tag if moves else 1 << 32,
         LOG2P=log2p, PREFIX_ONLY=page_size > 1 and not moves, UNIT_BYTES=min(kv_table.unit_bytes, 8) if moves else 1,
-        MOVES=moves, ON_GPU=req_to_token.is_cuda,
+        MOVES=moves, ON_GPU=not _ops.triton_interpreting(),
         BLOCK_B=_chunk(B), BLOCK_N=triton.next_power_of_2(max_draft), BLOCK_A=triton.next_power_of_2(max(width, 1)),
         BLOCK_Q=triton.next_power_of_2(max_draft // page_size + 2), BLOCK_U=128,
     )

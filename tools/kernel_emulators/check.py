@@ -1,7 +1,7 @@
 #!/usr/bin/env python
 """Run the kernel emulators against the package's reference implementations (no GPU needed).
 
-    python tools/kernel_emulators/check.py [tree_verify|mla|kv_slots|all] [--quick] [-v]
+    python tools/kernel_emulators/check.py [tree_verify|mla|kv_slots|allreduce|norm|all] [--quick] [-v]
     python tools/kernel_emulators/check.py KERNEL --mutant NAME   # one deliberate bug: must FAIL
     python tools/kernel_emulators/check.py all --mutants --quick  # every deliberate bug must be caught
     python tools/kernel_emulators/check.py --list-mutants
@@ -26,7 +26,7 @@ for p in (str(HERE), str(REPO)):
     if p not in sys.path:
         sys.path.insert(0, p)
 
-KERNELS = ("tree_verify", "mla", "kv_slots")
+KERNELS = ("tree_verify", "mla", "kv_slots", "allreduce", "norm")
 
 # Deliberate bugs, each a one-expression patch of an emulator's source: (what, old text, new text).
 # `--mutants` checks that the cases catch every one (by a mismatch, a race or an out-of-bounds).
@@ -84,13 +84,40 @@ MUTANTS = {
         "first_freed_page": ("commit frees pages from roundup(L + k + 1) instead of roundup(L + k)",
                              "first = roundup(L + k, log2p)", "first = roundup(L + k + 1, log2p)"),
         "moves_reversed": ("KV rows moved in reverse path order", "for j in range(k):", "for j in reversed(range(k)):"),
-        "no_verdict_wait": ("move blocks move rows without waiting for the verdict",
-                            "    if verdict != OK:\n        return\n", ""),
-        "tag_ignored": ("the scratch counters ignore the tag (stale scratch counts)",
-                        "want = seen + 1 if (seen >> TAG_SHIFT) == tag else (tag << TAG_SHIFT) | 1",
-                        "want = seen + 1"),
+        "no_verdict_wait": ("move blocks move rows whatever the verdict",
+                            "    if not moves or verdict != OK:\n        return\n",
+                            "    if not moves:\n        return\n"),
+        "tag_ignored": ("the election ignores the tag (stale scratch: nobody keeps the books)",
+                        "    if (seen >> TAG_SHIFT) == tag:\n        return False",
+                        "    if seen != 0:\n        return False"),
         "no_scratch_reset": ("the last block leaves the scratch as it is",
                              "            c.move_sync.w[i] = 0", "            pass"),
+        "done_not_zeroed": ("the bookkeeper does not zero the count of finished blocks",
+                            "            self.c.move_sync.w[2] = self.c.move_tag << TAG_SHIFT\n", ""),
+    },
+    "allreduce": {
+        "push_slot_not_advanced": ("push: BlockState.push_slot keeps the previous slot (rotation stuck)",
+                                   "    k.set_state(1, slot)", "    k.set_state(1, prev)"),
+        "push_no_rearm": ("push: last_push_rows recorded as 0, so the used slot is never re-armed with the sentinel",
+                          "    k.set_state(2, p.rows)", "    k.set_state(2, 0)"),
+        "sentinel_first_word_only": ("push: has_sentinel checks only the first 32-bit word of the 16-byte vector",
+                                     "    for w in range(4):", "    for w in range(1):"),
+        "flag_without_fence": ("block_barrier: no __threadfence_system and a relaxed (not st.release) flag store",
+                               "        k.fence()  # __threadfence_system()\n        k.store_release_sys(",
+                               "        k.store_relaxed("),
+        "no_allgather_wait": ("two-shot: no second flag round before reading the peers' gather buffers",
+                              "    ok = yield from block_barrier(k, seq, 1)\n", "    ok = True\n"),
+        "single_staging": ("one-shot pull: one staging buffer for every call (staging[0] instead of [seq & 1])",
+                           "par = seq & 1  # staging[seq & 1]", "par = 0  # staging[seq & 1]"),
+        "pull_rows_of_next_block": ("one-shot pull: block b sums the rows block b+1 copied (block-to-row mapping)",
+                                    "for row in range(k.b, p.rows, k.grid):  # the rows this block copied",
+                                    "for row in range((k.b + 1) % k.grid, p.rows, k.grid):  # the rows this block copied"),
+    },
+    "norm": {
+        "warp_sum_missing_lane": ("warp_sum: the butterfly stops at offset 2 (lane l + l^1 never added)",
+                                  "for offset in (16, 8, 4, 2, 1):", "for offset in (16, 8, 4, 2):"),
+        "vector_path_any_hidden": ("launch_typed: vector path without the hidden % kVec == 0 test",
+                                   "vec_ok = (hidden % kVec == 0 and aligned16(x.addr)", "vec_ok = (aligned16(x.addr)"),
     },
 }
 
@@ -139,6 +166,8 @@ def check_kernel(kernel, quick, verbose, mod):
         line = f"  [{i + 1}/{len(cases)}] {'ok  ' if res['ok'] else 'FAIL'} {kernel}: {name} ({res['time']:.1f}s)"
         if "err" in res:
             line += f"  out err {res['err']:.1e}  lse err {res['lse_err']:.1e}"
+        elif res.get("errs"):  # allreduce, norm: max out error per output type
+            line += "  out err " + ", ".join(f"{k} {v:.1e}" for k, v in sorted(res["errs"].items()))
         if verbose or not res["ok"]:
             print(line + (f"\n      {res['note']}" if res.get("note") and (verbose or not res["ok"]) else ""),
                   flush=True)
@@ -150,13 +179,20 @@ def check_kernel(kernel, quick, verbose, mod):
             key = "bf16" if "bfloat16" in str(r["dtype"]) else "fp16"
             errs[key] = max(errs.get(key, 0.0), r["err"])
             errs["lse"] = max(errs.get("lse", 0.0), r["lse_err"])
+        for key, v in r.get("errs", {}).items():  # allreduce, norm (fp32 / fp8 keys go to the notes)
+            errs[key] = max(errs.get(key, 0.0), v)
+    tally = {}
+    for r in rows:
+        for k, v in r.get("tally", {}).items():
+            tally[k] = max(tally.get(k, 0), v) if k.startswith("max_") else tally.get(k, 0) + v
+    note = mod.summary_note(tally, errs) if hasattr(mod, "summary_note") else ""
     launches = sum(r.get("launches", 0) for r in rows)
     counts = {}
     for r in rows:
         for k, v in r.get("counts", {}).items():
             counts[k] = counts.get(k, 0) + v
     return dict(kernel=kernel, cases=len(rows), failed=len(failures), errs=errs, launches=launches, counts=counts,
-                time=sum(r["time"] for r in rows))
+                time=sum(r["time"] for r in rows), note=note)
 
 
 def print_table(summaries):
@@ -171,6 +207,8 @@ def print_table(summaries):
             note = (f"bit-exact lockstep: {c['alloc']} allocs ({c['alloc_refused']} refused), {c['commit']} commits "
                     f"({c['commit_refused']} refused, {c['commit_moves']} moving KV); {c['mismatch']} mismatches, "
                     f"{c['races']} races")
+        if s.get("note"):
+            note = s["note"]
         print(f"{s['kernel']:<12} {s['cases']:>5} {s['failed']:>6}  {fmt(e.get('bf16')):>17} {fmt(e.get('fp16')):>8} "
               f"{fmt(e.get('lse')):>12}  {s['time']:>5.0f}s  {note}")
 

@@ -409,8 +409,10 @@ class CommitOp:
             base += gcount
 
     def publish(self, code):
-        """The verdict for the move blocks (thread 0, after the status; a release store)."""
+        """The verdict (thread 0, after the status): the zeroed count of finished blocks, then the
+        verdict word (a release store)."""
         if self.c.move_sync is not None:
+            self.c.move_sync.w[2] = self.c.move_tag << TAG_SHIFT
             self.c.move_sync.w[1] = (self.c.move_tag << TAG_SHIFT) | code
 
     def refuse(self, blk):
@@ -531,7 +533,7 @@ def move_rows(op, blk, heap, unit, k, src, dst, share, shares, K):
 TAG_SHIFT = 25  # kKvMoveTagShift
 VALUE_MASK = (1 << TAG_SHIFT) - 1
 SYNC_WORDS = 3  # kKvMoveSyncWords
-WAIT_LIMIT = 100_000  # scheduler turns a waiting block may spend (the kernel: 10 s, then __trap)
+WAIT_LIMIT = 100_000  # scheduler turns a waiting block may spend (the kernel: 2^27 polls, then __trap)
 
 
 class Scratch:
@@ -543,15 +545,20 @@ class Scratch:
         self.w = [v & M64 for v in words]
 
 
-def tagged_increment(scr, i, tag):
-    seen = scr.w[i]
-    want = seen + 1 if (seen >> TAG_SHIFT) == tag else (tag << TAG_SHIFT) | 1
-    scr.w[i] = want  # atomicCAS(seen -> want) succeeds: nothing ran in between
-    return want & VALUE_MASK
+def elect_bookkeeper(scr, tag):
+    seen = scr.w[0]
+    if (seen >> TAG_SHIFT) == tag:
+        return False
+    if scr.w[0] == seen:  # atomicCAS(seen -> tag << TAG_SHIFT)
+        scr.w[0] = tag << TAG_SHIFT
+        return True
+    return False
 
 
 def move_kv_rows(op, blk, tile, b, share, shares, heap, K, tr):
-    """A generator: yields while it waits for the verdict."""
+    """A generator: yields while it waits for the verdict. (src / dst: the kernel's threads
+    d < k each load one entry; written as a strided loop, the same for K >= 64 > k - 1, so that
+    the 32-thread emulations fill all 64.)"""
     src = Arr(f"b{blk.ctx[0].block}.src", [0] * K_MAX_DRAFT, tr)
     dst = Arr(f"b{blk.ctx[0].block}.dst", [0] * K_MAX_DRAFT, tr)
     ctxs = blk.ctx[:32]
@@ -561,16 +568,16 @@ def move_kv_rows(op, blk, tile, b, share, shares, heap, K, tr):
     valid = tile.valid.ld(0, ctx0)
     k = tile.tokens.ld(0, ctx0) if valid else 0
     prefix = M64 if k == K_MAX_DRAFT else (1 << k) - 1
-    if k == 0 or tile.u.ld(0, ctx0) == prefix:
-        return
+    moves = k > 0 and tile.u.ld(0, ctx0) != prefix
     c = op.c
     a = op.a
-    base = tile.row.ld(0, ctx0) * a.max_context + tile.len.ld(0, ctx0)
-    for ctx in blk.ctx:
-        if ctx.tid < k:
-            frm = load_index(c.accept_index, b * c.accept_width + ctx.tid, ctx)
-            src.st(ctx.tid, load_index(a.req_to_token, base + frm, ctx), ctx)
-            dst.st(ctx.tid, load_index(a.req_to_token, base + ctx.tid, ctx), ctx)
+    if moves:
+        for ctx in blk.ctx:
+            for d in range(ctx.tid, k, K):
+                base = tile.row.ld(0, ctx) * a.max_context + tile.len.ld(0, ctx)
+                frm = load_index(c.accept_index, b * c.accept_width + d, ctx)
+                src.st(d, load_index(a.req_to_token, base + frm, ctx), ctx)
+                dst.st(d, load_index(a.req_to_token, base + d, ctx), ctx)
     waited = 0
     while (c.move_sync.w[1] >> TAG_SHIFT) != c.move_tag:  # wait_for_verdict (thread 0)
         waited += 1
@@ -579,7 +586,7 @@ def move_kv_rows(op, blk, tile, b, share, shares, heap, K, tr):
         yield "wait"
     verdict = c.move_sync.w[1] & VALUE_MASK
     blk.sync()
-    if verdict != OK:
+    if not moves or verdict != OK:
         return
     move_rows(op, blk, heap, c.kv_unit_bytes, k, src, dst, share, shares, K)
 
@@ -592,22 +599,24 @@ def group_size_for(max_draft):
 
 
 def commit_block(op, a, c, heap, K, tr, bid, nblocks):
-    """One block of commit_draft_slots_kernel, a generator: yields after taking its ticket and
-    while it waits, so that the scheduler can interleave blocks."""
+    """Block bid of commit_draft_slots_kernel, a generator: yields after the election and while
+    it waits, so that the scheduler can interleave blocks."""
     blk = Block(bid, K)
     tile = Tile(K, tr, bid)
     if c.move_sync is None:
         keep_books(op, a, blk, tile, K)
         return
-    ticket = tagged_increment(c.move_sync, 0, c.move_tag) - 1
-    yield "books" if ticket == 0 else "ticket"
-    if ticket == 0:
+    bookkeeper = elect_bookkeeper(c.move_sync, c.move_tag)
+    yield "books" if bookkeeper else "elected"
+    if bookkeeper:
         keep_books(op, a, blk, tile, K)
-    else:
-        shares = c.kv_blocks_per_request
-        yield from move_kv_rows(op, blk, tile, (ticket - 1) // shares, (ticket - 1) % shares, shares, heap, K, tr)
+        blk.sync()
+    shares = c.kv_blocks_per_request
+    yield from move_kv_rows(op, blk, tile, bid // shares, bid % shares, shares, heap, K, tr)
     blk.sync()
-    if tagged_increment(c.move_sync, 2, c.move_tag) == nblocks:
+    before = c.move_sync.w[2]  # atomicAdd
+    c.move_sync.w[2] = (before + 1) & M64
+    if (before & VALUE_MASK) + 1 == nblocks:
         for i in range(SYNC_WORDS):
             c.move_sync.w[i] = 0
 
@@ -615,7 +624,7 @@ def commit_block(op, a, c, heap, K, tr, bid, nblocks):
 def commit_kernel(a, c, heap, K, tr, seed=0):
     """The launch. Blocks start in a random order (seeded); then either a random started block
     resumes or the next one starts, or (one launch in three) the bookkeeping block runs only once
-    every other block has started and is waiting or done, so that move blocks do wait."""
+    every other block has started and is waiting or done, so that blocks do wait."""
     moves = a.log2_page_size > 0 and c.kv_table is not None and a.num_requests > 0
     if moves:
         assert c.move_sync is not None and 1 <= c.move_tag < 1 << (63 - TAG_SHIFT)
@@ -624,11 +633,11 @@ def commit_kernel(a, c, heap, K, tr, seed=0):
     pool_slots = a.num_pages << a.log2_page_size
     slot_bound = c.num_kv_rows if moves and c.num_kv_rows < pool_slots else pool_slots
     prefix_only = a.log2_page_size > 0 and not moves
-    nblocks = 1 + a.num_requests * c.kv_blocks_per_request if moves else 1
+    nblocks = a.num_requests * c.kv_blocks_per_request if moves else 1
     op = CommitOp(a, c, group_size_for(a.max_draft), slot_bound, prefix_only, K)
     rng = random.Random(seed)
     waiting = list(range(nblocks))
-    rng.shuffle(waiting)  # blockIdx order is irrelevant: roles come from tickets
+    rng.shuffle(waiting)  # the order blocks arrive in
     running = {}  # generator -> what it last yielded
     books_last = rng.random() < 1 / 3
     eager = rng.choice([0.2, 0.5, 0.9])  # how often a new block starts rather than one resuming

@@ -77,9 +77,9 @@ struct KvCommitArgs {
   int64_t num_kv_rows;  // rows (slots) of every KV buffer
   int kv_unit_bytes;    // 1, 2, 4, 8 or 16; divides every address, stride and row size
   int kv_blocks_per_request;
-  // When rows move: kKvMoveSyncWords scratch words (any initial contents) for the launch-wide
-  // hand-off between the bookkeeping block and the KV-move blocks, and this call's tag in
-  // [1, 2^kKvMoveTagBits) (see kv_slots.cu).
+  // When rows move: kKvMoveSyncWords scratch words (any initial contents; not shared with a
+  // concurrent launch) for the launch-wide hand-off of the verdict to the KV-move blocks, and a
+  // tag in [1, 2^kKvMoveTagBits) new for every call (see kv_slots.cu).
   uint64_t* move_sync;
   uint64_t move_tag;
 };
@@ -88,7 +88,7 @@ struct KvCommitArgs {
 constexpr int kKvMoveSyncWords = 3;
 constexpr int kKvMoveTagShift = 25;
 constexpr int kKvMoveTagBits = 63 - kKvMoveTagShift;
-// Largest commit grid when rows move (1 + num_requests x kv_blocks_per_request).
+// Largest commit grid when rows move (num_requests x kv_blocks_per_request blocks).
 constexpr int64_t kKvMoveMaxBlocks = (int64_t{1} << (kKvMoveTagShift - 1)) - 1;
 
 // Keeps each request's accepted path (page_size 1: remaps req_to_token; > 1: moves KV rows)
