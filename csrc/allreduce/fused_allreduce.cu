@@ -17,8 +17,9 @@
 // element type once: every rank computes the same bits. Every flag word carries the call's
 // device sequence number and a header (operation, bytes): ranks that disagree on the message
 // report kSizeMismatch instead of exchanging garbage. Every wait gives up after timeout_ns
-// (%globaltimer) and reports kTimeout. Counters live in the buffer (per block), so a CUDA graph
-// replay advances them like an eager call.
+// (%globaltimer) and reports kTimeout; after a failure, the calls already queued on the rank do
+// nothing. Counters live in the buffer (per block), so a CUDA graph replay advances them like an
+// eager call.
 #include <cuda_runtime.h>
 
 #include <cstring>
@@ -242,6 +243,20 @@ __device__ __forceinline__ void finish_row(const Params& p, int row, float (&acc
   }
 }
 
+// The call number after `seq`. It skips 0 and 1 at the wrap (days of decoding): flag words
+// never written since init_buffer read as call 0, and skipping two keeps the parity (staging and
+// flags alternate on seq & 1).
+__device__ __forceinline__ uint32_t next_seq(uint32_t seq) { return seq == 0xffffffffu ? 2u : seq + 1; }
+
+// Whether this rank already failed (uniform across the block). The host sees a failure only after
+// launching more calls; those calls must not run: they would reuse the failed call's number and
+// exchange stale data with the peers, or overwrite what a late peer still reads.
+__device__ __forceinline__ bool rank_failed(const Params& p) {
+  return __syncthreads_or(
+      threadIdx.x == 0 &&
+      *reinterpret_cast<volatile int32_t*>(&signals_of(p, p.rank)->first_error.code) != 0);
+}
+
 __device__ __forceinline__ void commit_state(const Params& p, uint32_t seq) {
   __syncthreads();
   if (threadIdx.x == 0) signals_of(p, p.rank)->state[blockIdx.x].seq = seq;
@@ -251,9 +266,10 @@ __device__ __forceinline__ void commit_state(const Params& p, uint32_t seq) {
 template <typename T, typename OutT, int ITEMS>
 __global__ void __launch_bounds__(1024, 1) oneshot_pull_kernel(const Params p) {
   constexpr int VEC = 16 / sizeof(T);
+  if (rank_failed(p)) return;
   const int nvec = p.hidden / VEC;
   const size_t rb = row_bytes(p, sizeof(T));
-  const uint32_t seq = signals_of(p, p.rank)->state[blockIdx.x].seq + 1;
+  const uint32_t seq = next_seq(signals_of(p, p.rank)->state[blockIdx.x].seq);
   const size_t staging = p.layout.staging[seq & 1];
   for (int row = blockIdx.x; row < p.rows; row += gridDim.x)
     copy_row(p.bases[p.rank] + staging + row * rb, static_cast<const char*>(p.x) + row * rb, nvec);
@@ -270,9 +286,10 @@ __global__ void __launch_bounds__(1024, 1) oneshot_pull_kernel(const Params p) {
 template <typename T, typename OutT, int ITEMS>
 __global__ void __launch_bounds__(1024, 1) twoshot_kernel(const Params p) {
   constexpr int VEC = 16 / sizeof(T);
+  if (rank_failed(p)) return;
   const int nvec = p.hidden / VEC;
   const size_t rb = row_bytes(p, sizeof(T));
-  const uint32_t seq = signals_of(p, p.rank)->state[blockIdx.x].seq + 1;
+  const uint32_t seq = next_seq(signals_of(p, p.rank)->state[blockIdx.x].seq);
   const size_t staging = p.layout.staging[seq & 1], gather = p.layout.gather[seq & 1];
   // Row i of every share is handled by block i % gridDim.x on every rank, in all three phases.
   for (int o = 0; o < p.world; ++o)
@@ -334,13 +351,14 @@ template <typename T, typename OutT, int ITEMS>
 __global__ void __launch_bounds__(1024, 1) oneshot_push_kernel(const Params p) {
   static_assert(sizeof(T) == 2, "the -0.0 sentinel is a 16-bit pattern");
   constexpr int VEC = 8;
+  if (rank_failed(p)) return;
   const int nvec = p.hidden / VEC;
   const size_t rb = row_bytes(p, sizeof(T));
   BlockState* st = &signals_of(p, p.rank)->state[blockIdx.x];
   // The slot is counted modulo kPushSlots, not derived from a uint32 call count: 2^32 is not a
   // multiple of 3, so at the wrap (days of decoding) two consecutive calls would share a slot
   // that was never re-armed and read the previous call's data as this call's.
-  const uint32_t seq = st->seq + 1;
+  const uint32_t seq = next_seq(st->seq);
   const int prev = static_cast<int>(st->push_slot % kPushSlots), slot = (prev + 1) % kPushSlots;
   char* mine = p.bases[p.rank];
 

@@ -21,7 +21,8 @@ Model
   __threadfence_system make every earlier store of the block land; st.release does too before
   its own store (which then lands later); ld.acquire / ld.volatile read what has landed; the end
   of a kernel makes everything land. A store to an address the same block has a store pending
-  for lands after it (coherence).
+  for lands after it, and a block's load of such an address makes its own stores land first
+  (a thread reads its own writes).
 * Every word carries a shadow: which rank wrote it for which call (call = position in the
   emulated call sequence, the same on every rank), data or sentinel, and which ranks still have
   to read it. Reading a word that does not hold the expected rank's data of the reader's call is
@@ -37,6 +38,9 @@ residual_out bit-identical to the reference, out within one rounding step (bf16 
 rel, fp16 2e-3 + 1e-3 rel, fp8 2e-3 + 6.25% rel after dequantising) and bit-identical on all
 ranks; each output element written exactly once; the host error words stay 0 - or, in the
 timeout / size-mismatch cases, carry the kernel's report on every surviving rank.
+
+repro_after_failure() and repro_seq_wrap() (python allreduce.py repro) reproduce the two problems
+reported in README.md; they are not in cases(), which pass on the kernel as it is.
 Update this file together with the kernel (see README.md).
 """
 from __future__ import annotations
@@ -107,8 +111,8 @@ class Layout:
             self.push.append(off)
             off += push_slot
         self.total = off
-        self.regions = ([("flags", 0, PUSH_HEADERS), ("push_headers", PUSH_HEADERS, STATE), ("state", STATE, FIRST_ERROR),
-                         ("first_error", FIRST_ERROR, SIGNALS_BYTES)]
+        self.regions = ([("flags", 0, PUSH_HEADERS), ("push_headers", PUSH_HEADERS, STATE),
+                         ("state", STATE, FIRST_ERROR), ("first_error", FIRST_ERROR, SIGNALS_BYTES)]
                         + [(f"staging{i}", s, s + msg) for i, s in enumerate(self.staging)]
                         + [(f"gather{i}", s, s + msg) for i, s in enumerate(self.gather)]
                         + [(f"push{i}", s, s + push_slot) for i, s in enumerate(self.push)])
@@ -135,7 +139,9 @@ class Buffer:
     def where(self, word):
         i = bisect.bisect_right(self._starts, word) - 1
         name, lo, hi = self.layout.regions[max(i, 0)]
-        return f"rank {self.rank}'s {name} +{word * 4 - lo}" if lo <= word * 4 < hi else f"rank {self.rank} byte {word * 4}"
+        if lo <= word * 4 < hi:
+            return f"rank {self.rank}'s {name} +{word * 4 - lo}"
+        return f"rank {self.rank} byte {word * 4}"
 
     def holds(self, w):
         if not self.w_data[w]:
@@ -170,7 +176,8 @@ class Params:
     def __init__(self, call, layout, push_bytes, timeout):
         self.layout = layout
         self.push_stride = align_up(push_bytes)
-        self.rows, self.hidden, self.world, self.rank, self.algorithm = call.rows, call.hidden, call.world, call.rank, call.algorithm
+        self.rows, self.hidden, self.world, self.rank = call.rows, call.hidden, call.world, call.rank
+        self.algorithm = call.algorithm
         nbytes = call.rows * call.hidden * 2
         op = (2 if call.fp8_out else 1) if call.fused else 0
         self.header = (op << 28) | nbytes
@@ -230,8 +237,9 @@ class Block:
         if bad.any():
             j = int(np.flatnonzero(bad)[0])
             w = int(words[j])
-            self.emu.hazard(f"stale read: rank {self.rank} block {self.b} ({what}, call {self.call.idx}) reads {buf.where(w)}: "
-                 f"it holds {buf.holds(w)}, not rank {int(writer[j])}'s word of call {self.call.idx}")
+            self.emu.hazard(f"stale read: rank {self.rank} block {self.b} ({what}, call {self.call.idx}) reads "
+                            f"{buf.where(w)}: it holds {buf.holds(w)}, not rank {int(writer[j])}'s word of call "
+                            f"{self.call.idx}")
         buf.got[words] |= np.uint8(1 << self.rank)
         return buf.mem[words]
 
@@ -317,7 +325,8 @@ def report(k, code, seq, peer, theirs):
         return
     mem[FIRST_ERROR // 4] = code
     e = k.emu.host_error[k.rank]
-    e.seq, e.rank, e.peer, e.block, e.algorithm, e.mine, e.theirs = seq, k.rank, peer, k.b, k.p.algorithm, k.p.header, theirs
+    e.seq, e.rank, e.peer, e.block, e.algorithm = seq, k.rank, peer, k.b, k.p.algorithm
+    e.mine, e.theirs = k.p.header, theirs
     e.code = code
 
 
@@ -440,12 +449,22 @@ def commit_state(k, seq):
     k.set_state(0, seq)  # __syncthreads(); thread 0: state[blockIdx.x].seq = seq
 
 
+def next_seq(seq):  # skips 0 and 1 at the wrap (keeps the parity)
+    return 2 if seq == M32 else seq + 1
+
+
+def rank_failed(k):  # thread 0 reads this rank's first_error.code; __syncthreads_or
+    return k.first_error_code() != 0
+
+
 # ------------------------------------------------------------------------------------ one-shot pull
 def oneshot_pull_kernel(k):
     p = k.p
+    if rank_failed(k):
+        return
     nvec = p.hidden // VEC
     rb = p.hidden * 2
-    seq = (k.state(0) + 1) & M32
+    seq = next_seq(k.state(0))
     par = seq & 1  # staging[seq & 1]
     staging = p.layout.staging[par]
     for row in range(k.b, p.rows, k.grid):
@@ -464,9 +483,11 @@ def oneshot_pull_kernel(k):
 # ------------------------------------------------------------------------------------ two-shot
 def twoshot_kernel(k):
     p = k.p
+    if rank_failed(k):
+        return
     nvec = p.hidden // VEC
     rb = p.hidden * 2
-    seq = (k.state(0) + 1) & M32
+    seq = next_seq(k.state(0))
     par = seq & 1  # staging / gather [seq & 1]
     staging, gather = p.layout.staging[par], p.layout.gather[par]
     for o in range(p.world):
@@ -563,7 +584,8 @@ def poll_row(k, slot, row, seq):
             cand &= pos < end
         if not ((pos < end) & row_ok).any():
             break
-        k.waiting = f"push data of row {row} (slot {slot}, seq {seq}) from rank(s) {sorted(set((pos[(pos < end) & row_ok] % W).tolist()))}"
+        senders = sorted(set((pos[(pos < end) & row_ok] % W).tolist()))
+        k.waiting = f"push data of row {row} (slot {slot}, seq {seq}) from rank(s) {senders}"
         yield "step" if moved else "wait"
     acc[k.mask] = k.round_t(acc[k.mask])
     return acc, row_ok
@@ -571,9 +593,11 @@ def poll_row(k, slot, row, seq):
 
 def oneshot_push_kernel(k):
     p = k.p
+    if rank_failed(k):
+        return
     nvec = p.hidden // VEC
     rb = p.hidden * 2
-    seq = (k.state(0) + 1) & M32
+    seq = next_seq(k.state(0))
     prev = k.state(1) % K_PUSH_SLOTS
     slot = (prev + 1) % K_PUSH_SLOTS
     mine = p.rank
@@ -581,7 +605,8 @@ def oneshot_push_kernel(k):
     # Re-arm the previous push call's rows with the sentinel.
     for row in range(k.b, k.state(2), k.grid):
         for q in range(p.world):
-            words = k.vec_words(mine, f"push{prev}", p.layout.push[prev] + q * p.push_stride + row * rb + vs * 16, sender=q)
+            words = k.vec_words(mine, f"push{prev}", p.layout.push[prev] + q * p.push_stride + row * rb + vs * 16,
+                                sender=q)
             k.store(mine, words, np.full(words.size, K_SENTINEL_PAIR, np.uint32), False, 0, True, f"re-arm row {row}")
         yield "step"
     k.fence()  # __threadfence(); __syncthreads()
@@ -691,8 +716,8 @@ class Emu:
         if unread.any():
             j = int(w[np.flatnonzero(unread)[0]])
             who = [r for r in range(self.world) if (buf.need[j] & ~buf.got[j]) >> r & 1]
-            self.hazard(f"overwrite before read: rank {e.writer} ({e.what}, call {e.call}) overwrites {buf.where(j)}, which "
-                 f"holds {buf.holds(j)} that rank(s) {who} have not read yet")
+            self.hazard(f"overwrite before read: rank {e.writer} ({e.what}, call {e.call}) overwrites {buf.where(j)}, "
+                        f"which holds {buf.holds(j)} that rank(s) {who} have not read yet")
         buf.mem[w] = e.vals[m]
         buf.w_call[w], buf.w_rank[w], buf.w_data[w], buf.need[w], buf.got[w] = e.call, e.writer, e.data, e.need, 0
         buf.pend[w] -= 1
@@ -806,7 +831,8 @@ class Spec:
         self.eps, self.out_scale = eps, out_scale
 
     def __repr__(self):
-        return f"{self.idx}:{ALGOS[self.algorithm]}/{self.rows}{'+norm' if self.fused else ''}{'/fp8' if self.fp8_out else ''}"
+        return (f"{self.idx}:{ALGOS[self.algorithm]}/{self.rows}{'+norm' if self.fused else ''}"
+                f"{'/fp8' if self.fp8_out else ''}")
 
 
 def make_x(gen, rows, hidden, dtype):
@@ -838,13 +864,15 @@ def build(specs, world, hidden, dtype, seed, rows_override=None):
     data = []
     programs = [[] for _ in range(world)]
     for s in specs:
-        xs = [make_x(gen, s.rows if rows_override is None else rows_override(s, r), hidden, dtype) for r in range(world)]
+        xs = [make_x(gen, s.rows if rows_override is None else rows_override(s, r), hidden, dtype)
+              for r in range(world)]
         residual = (torch.randn(s.rows, hidden, generator=gen) * 3).to(dtype)
         weight = (1 + 0.1 * torch.randn(hidden, generator=gen)).to(dtype)
         data.append((xs, residual, weight))
         for r in range(world):
             bits = xs[r].view(torch.int16).numpy().view(np.uint16)
-            res_r = residual if xs[r].shape[0] == s.rows else (torch.randn(xs[r].shape[0], hidden, generator=gen) * 3).to(dtype)
+            res_r = residual if xs[r].shape[0] == s.rows else \
+                (torch.randn(xs[r].shape[0], hidden, generator=gen) * 3).to(dtype)
             programs[r].append(RankCall(s, r, world, bits, res_r, weight, dtype))
     return programs, data
 
@@ -876,15 +904,17 @@ def check_results(specs, programs, data, dtype, errs):
             if not s.fused:
                 if not torch.equal(out.to(dtype).view(torch.int16), summed.view(torch.int16)):
                     bad = (out.to(dtype).float() != summed.float()).nonzero()[0].tolist()
-                    return (f"call {s!r} rank {r}: sum {out[tuple(bad)].item()} at {bad}, want {summed[tuple(bad)].item()} "
-                            "(fp32 rank-order sum rounded once)")
+                    return (f"call {s!r} rank {r}: sum {out[tuple(bad)].item()} at {bad}, want "
+                            f"{summed[tuple(bad)].item()} (fp32 rank-order sum rounded once)")
             else:
                 res = torch.from_numpy(c.residual_out.v.reshape(xs[r].shape).copy()).to(dtype)
                 if not torch.equal(res.view(torch.int16), want_res.view(torch.int16)):
                     bad = (res.float() != want_res.float()).nonzero()[0].tolist()
-                    return f"call {s!r} rank {r}: residual_out {res[tuple(bad)].item()} at {bad}, want {want_res[tuple(bad)].item()}"
+                    return (f"call {s!r} rank {r}: residual_out {res[tuple(bad)].item()} at {bad}, want "
+                            f"{want_res[tuple(bad)].item()}")
                 if s.fp8_out:
-                    g, w, (atol, rtol), key = out.double() * s.out_scale, want_out.double() * s.out_scale, FP8_TOL, "fp8"
+                    g, w = out.double() * s.out_scale, want_out.double() * s.out_scale
+                    (atol, rtol), key = FP8_TOL, "fp8"
                 else:
                     g, w, (atol, rtol), key = out.double(), want_out.double(), TOL[dtype], NAMES[dtype]
                 err = (g - w).abs()
@@ -922,8 +952,8 @@ def run_sequence(world, hidden, dtype, num_blocks, ncalls, max_tokens, seed, pus
             problem = problem or f"rank {r} reported {emu.host_error[r]}"
     used = {ALGOS[a]: sum(s.algorithm == a for s in specs) for a in ALGOS}
     st = emu.stats
-    note = (f"{len(specs)} calls {used}, {st['turns']} turns, {st['waits']} waiting polls, {st['torn']} torn vectors seen, "
-            f"max skew {st['skew']} call(s)")
+    note = (f"{len(specs)} calls {used}, {st['turns']} turns, {st['waits']} waiting polls, {st['torn']} torn vectors "
+            f"seen, max skew {st['skew']} call(s)")
     return dict(ok=problem is None, note=problem or note, errs=errs, launches=len(specs) * world,
                 tally=dict(calls=len(specs), rank_calls=len(specs) * world, torn=st["torn"], max_skew=st["skew"],
                            turns=st["turns"]))
@@ -934,16 +964,18 @@ def run_failure(world, algorithm, kind, seed, hidden=64, num_blocks=2, timeout=3
     that rank, seq 3) and every block must give up. kind "mismatch": rank 1 sends one row more in
     call 3; every rank must report kSizeMismatch. Calls 1-2 are normal."""
     max_tokens = 4
-    specs = [Spec(1, algorithm, 3, False, False), Spec(2, algorithm, 2, True, False), Spec(3, algorithm, 3, True, False)]
+    specs = [Spec(1, algorithm, 3, False, False), Spec(2, algorithm, 2, True, False),
+             Spec(3, algorithm, 3, True, False)]
     override = (lambda s, r: s.rows + 1 if s.idx == 3 and r == 1 else s.rows) if kind == "mismatch" else None
-    programs, _ = build(specs, world, hidden, torch.bfloat16, seed, override)
+    programs, data = build(specs, world, hidden, torch.bfloat16, seed, override)
     missing = world - 1
     if kind == "missing":
         programs[missing] = programs[missing][:2]
     emu = Emu(world, num_blocks, max_tokens * hidden * 2, max_tokens * hidden * 2, seed, timeout=timeout,
               deadlock_check=False, max_turns=timeout + 400_000)
-    emu.run(programs)
-    problems = []
+    emu.run(programs)  # returns only once every block of every launch has returned (else: a hang)
+    first_two = check_results(specs[:2], [p_[:2] for p_ in programs], data[:2], torch.bfloat16, {})
+    problems = [first_two] if first_two else []
     for r in range(world):
         e = emu.host_error[r]
         if kind == "missing":
@@ -957,10 +989,44 @@ def run_failure(world, algorithm, kind, seed, hidden=64, num_blocks=2, timeout=3
             mine, theirs = hdr(4 if r == 1 else 3), hdr(4 if e.peer == 1 else 3)
             if (e.mine, e.theirs) != (mine, theirs) or (r != 1 and e.peer != 1):
                 problems.append(f"rank {r}: {e}: wrong headers or peer")
-    note = f"{kind} peer, {ALGOS[algorithm]}, every rank gave up after {emu.stats['turns']} turns (timeout {timeout}): " + \
+    note = f"{kind} peer, {ALGOS[algorithm]}: calls 1-2 correct, every block returned within " \
+        f"{emu.stats['turns']} turns (timeout {timeout}): " + \
         ", ".join(f"r{r} code {emu.host_error[r].code} peer {emu.host_error[r].peer}" for r in range(world))
     return dict(ok=not problems, note="; ".join(problems) or note, launches=sum(len(p) for p in programs),
                 tally={f"failure_{kind}": 1})
+
+
+def emulate(xs, residual=None, weight=None, eps=1e-6, out_scale=None, algorithm=PULL, num_blocks=2, max_bytes=None,
+            push_bytes=None, seed=0, calls_before=0):
+    """One call of FusedAllReduce's CUDA path on len(xs) emulated ranks (xs: every rank's x, CPU
+    fp16 / bf16 [rows, hidden]); residual / weight given: the fused epilogue. calls_before: the
+    device call counter before this call (push slot = calls_before % 3 + 1 if every earlier call
+    was a push, as the kernel computes it from BlockState). Returns [(out, residual_out)] per rank;
+    raises ptx.HazardError on a stale read, an overwrite, a deadlock or an out-of-bounds access."""
+    world = len(xs)
+    rows, hidden = xs[0].shape
+    dtype = xs[0].dtype
+    max_bytes = max_bytes or max(rows, 1) * hidden * 2
+    push_bytes = push_bytes or max_bytes
+    spec = Spec(1, algorithm, rows, residual is not None, out_scale is not None, eps, out_scale or 0.05)
+    w = weight if weight is not None else torch.ones(hidden, dtype=dtype)
+    res = residual if residual is not None else torch.zeros(rows, hidden, dtype=dtype)
+    programs = [[RankCall(spec, r, world, xs[r].contiguous().view(torch.int16).numpy().view(np.uint16), res, w, dtype)]
+                for r in range(world)]
+    emu = Emu(world, num_blocks, max_bytes, push_bytes, seed)
+    for buf in emu.bufs:
+        for b in range(num_blocks):
+            buf.mem[(STATE + b * 16) // 4] = calls_before & M32
+            buf.mem[(STATE + b * 16) // 4 + 1] = calls_before % K_PUSH_SLOTS
+    emu.run(programs)
+    out_t = FP8 if out_scale is not None else dtype
+    result = []
+    for r in range(world):
+        c = programs[r][0]
+        out = torch.from_numpy(c.out.v.reshape(rows, hidden).copy()).to(out_t)
+        ro = torch.from_numpy(c.residual_out.v.reshape(rows, hidden).copy()).to(dtype) if c.residual_out else None
+        result.append((out, ro))
+    return result
 
 
 def summary_note(tally, errs):
@@ -974,7 +1040,7 @@ def summary_note(tally, errs):
 
 def cases(quick):
     """(name, thunk). Long random call sequences (push / pull / two-shot mixed, 0..max_tokens
-    rows, fused or not, fp8 out) on 2, 4 and 8 ranks with 1-4 blocks, hidden sizes with 1..1025
+    rows, fused or not, fp8 out) on 2, 4 and 8 ranks with 1-5 blocks, hidden sizes with 1..2048
     vectors per row (ITEMS 1 and 2), a sequence across the uint32 call-counter wrap, and the
     failure paths: a missing peer (kTimeout, no hang) and a size mismatch, per algorithm."""
     bf16, f16 = torch.bfloat16, torch.float16
@@ -990,19 +1056,25 @@ def cases(quick):
         (8, 1000, bf16, 4, 20, 6, 9, 1.0, False),
         (2, 40, bf16, 4, 60, 3, 10, 1.0, False),  # fewer rows than blocks
         (4, 136, bf16, 2, 40, 5, 11, 1.0, False),
+        (4, 264, f16, 5, 50, 10, 13, 0.5, False),
+        (8, 40, bf16, 4, 30, 8, 14, 1.0, False),
+        (2, 8, bf16, 3, 80, 5, 15, 0.2, False),
+        (8, 1032, f16, 1, 16, 4, 16, 1.0, False),
     ]
     out = []
     for world, hidden, dt, blocks, calls, mt, seed, pf, q in seqs:
         if quick and not q:
             continue
         label = f"W={world} hidden={hidden} {NAMES[dt]} blocks={blocks}: {calls} calls, <= {mt} rows, seed {seed}"
-        out.append((label, lambda a=(world, hidden, dt, blocks, calls, mt, seed, pf): run_sequence(*a[:7], push_frac=a[7])))
-    # across the uint32 wrap of BlockState::seq: every flag / header slot written before seq 0
+        out.append((label, lambda a=(world, hidden, dt, blocks, calls, mt, seed, pf):
+                    run_sequence(*a[:7], push_frac=a[7])))
+    # across the uint32 wrap of BlockState::seq (next_seq: 2^32 - 1 -> 2): every slot written before it
     wrap = [Spec(1, TWOSHOT, 3, False, False), Spec(2, TWOSHOT, 2, True, False)] + \
         [Spec(i, PUSH, 2, i % 2 == 0, False) for i in (3, 4, 5)]
     rng = random.Random(12)
-    wrap += [Spec(i, rng.choice([PUSH, PULL, TWOSHOT]), rng.randint(0, 4), rng.random() < 0.5, False) for i in range(6, 21)]
-    out.append(("W=4 hidden=64 bf16 blocks=2: 20 calls across the uint32 call-counter wrap (seq 2^32-7 .. 13)",
+    wrap += [Spec(i, rng.choice([PUSH, PULL, TWOSHOT]), rng.randint(0, 4), rng.random() < 0.5, False)
+             for i in range(6, 21)]
+    out.append(("W=4 hidden=64 bf16 blocks=2: 20 calls across the uint32 call-counter wrap (seq 2^32-7 .. 2^32-1, 2 .. 14)",
                 lambda: run_sequence(4, 64, bf16, 2, 20, 4, 12, start_seq=(1 << 32) - 8, specs=wrap)))
     fails = [(2, PUSH, "missing"), (4, PULL, "missing"), (8, TWOSHOT, "missing"), (4, PUSH, "mismatch"),
              (2, TWOSHOT, "mismatch")]
@@ -1012,7 +1084,32 @@ def cases(quick):
     for world, alg, kind in fails:
         out.append((f"W={world} {ALGOS[alg]}: {kind} peer in call 3",
                     lambda a=(world, alg, kind): run_failure(*a, seed=world * 10 + a[1])))
+    queued = [("late", PULL, 2, 5), ("mismatch", PUSH, 4, 6)]
+    if not quick:
+        queued = [(kind, alg, w, sd) for kind in ("late", "mismatch") for alg in ALGOS
+                  for w, sd in ((2, 5), (4, 6), (2, 7))]
+    for kind, alg, world, sd in queued:
+        out.append((f"W={world} {ALGOS[alg]}: calls 4-6 queued behind a {kind} call 3",
+                    lambda a=(alg, kind, world, sd): _queued_after_failure(*a)))
+    for rows in (3, 0):
+        out.append((f"W=2: the first pull ({rows} rows) comes right after the call-counter wrap",
+                    lambda rows=rows: _first_pull_after_wrap(rows)))
     return out
+
+
+def _queued_after_failure(algorithm, kind, world, seed):
+    lines = repro_after_failure(algorithm, kind, world, seed, verbose=False)
+    wrong, hazards = int(lines[-1].split()[0]), int(lines[0].split(": ")[1].split()[0])
+    ok = wrong == 0 and hazards == 0
+    note = f"{wrong} complete but wrong outputs, {hazards} hazards; " + "; ".join(lines[3:-1])
+    return dict(ok=ok, note=note, launches=6 * world, tally={"queued_after_failure": 1})
+
+
+def _first_pull_after_wrap(rows):
+    lines = repro_seq_wrap(rows, verbose=False)
+    ok = lines[0].endswith(": 0 hazards") and lines[-1] == "results: all correct" and \
+        all("code=0," in line for line in lines[1:3])
+    return dict(ok=ok, note="; ".join(lines), launches=6, tally={"first_pull_after_wrap": 1})
 
 
 # ================================================================================ findings (not in cases())
@@ -1022,7 +1119,10 @@ def repro_after_failure(algorithm=PULL, kind="late", world=2, seed=5, timeout=30
     layer's allreduce in a decode step: the same header). kind "late": the last rank stalls for
     2 * timeout turns when it launches call 3 (the others time out in call 3), then carries on;
     kind "mismatch": rank 1 sends one row more in call 3 (every rank reports kSizeMismatch).
-    Every rank has calls 1-6 queued. Returns (and prints) what each call produced."""
+    Every rank has calls 1-6 queued. Before the kernels' rank_failed() check (fused_allreduce.cu
+    at 7e748f8), the calls after the failed one ran on stale data (60 complete but wrong outputs
+    and 1486 hazards over the 18 configurations of `python allreduce.py repro`); now none may.
+    Returns (and prints) what each call produced; the last line counts the complete wrong ones."""
     from spec_kernels.norm.reference import fused_add_rmsnorm
 
     hidden, max_tokens = 64, 4
@@ -1070,20 +1170,24 @@ def repro_after_failure(algorithm=PULL, kind="late", world=2, seed=5, timeout=30
 
 
 def repro_seq_wrap(last_rows=3, verbose=True):
-    """BlockState.seq wraps from 2^32 - 1 to 0. A flag word never written since init_buffer (0)
-    reads as "seq 0, header 0": here every call before the wrap was a push (so the pull's flag
-    slots are still 0) and the first pull is the call with seq 0. The call is last_rows x 64
-    (fused for last_rows > 0; a 0-row plain all_reduce has header 0)."""
-    specs = [Spec(1, PUSH, 2, True, False), Spec(2, PUSH, 2, True, False), Spec(3, PULL, last_rows, last_rows > 0, False)]
+    """BlockState.seq wraps after 2^32 - 1. A flag word never written since init_buffer (0) reads
+    as "seq 0, header 0": here every call before the wrap is a push (so the pull's flag slots are
+    still 0) and the first pull is the first call after the wrap. Before next_seq() (at 7e748f8)
+    that call had seq 0 and took the stale flags for its peers' (a false kSizeMismatch, or with a
+    0-row plain all_reduce, header 0, no rendezvous at all); now it has seq 2. The call is
+    last_rows x 64 (fused for last_rows > 0)."""
+    specs = [Spec(1, PUSH, 2, True, False), Spec(2, PUSH, 2, True, False),
+             Spec(3, PULL, last_rows, last_rows > 0, False)]
     programs, data = build(specs, 2, 64, torch.bfloat16, 3)
     emu = Emu(2, 2, 4 * 64 * 2, 4 * 64 * 2, 3, timeout=3000, deadlock_check=False, max_turns=400_000)
     for buf in emu.bufs:
         for b in range(2):
-            buf.mem[(STATE + b * 16) // 4] = (1 << 32) - 3  # the next calls get seq 2^32-2, 2^32-1, 0
+            buf.mem[(STATE + b * 16) // 4] = (1 << 32) - 3  # the next calls get seq 2^32-2, 2^32-1, 2
     emu.collect = []
     emu.run(programs)
     errs = {}
-    lines = [f"pull at seq 0, {last_rows} rows: {len(emu.collect)} hazards" + "".join(f"\n    {h}" for h in emu.collect[:2])]
+    lines = [f"first pull after the wrap, {last_rows} rows: {len(emu.collect)} hazards"
+             + "".join(f"\n    {h}" for h in emu.collect[:2])]
     lines += [f"rank {r}: host {emu.host_error[r]}" for r in range(2)]
     lines.append("results: " + (check_results(specs, programs, data, torch.bfloat16, errs) or "all correct"))
     if verbose:
@@ -1092,10 +1196,18 @@ def repro_seq_wrap(last_rows=3, verbose=True):
 
 
 if __name__ == "__main__" and "repro" in sys.argv:
+    print("=== calls queued behind a failed call (README: Findings 1); details of the W=2 runs")
+    totals = [0, 0]
     for kind in ("late", "mismatch"):
         for alg in ALGOS:
-            print(f"--- {kind}, {ALGOS[alg]}")
-            repro_after_failure(alg, kind)
+            for world, seed in ((2, 5), (4, 6), (2, 7)):
+                show = world == 2 and seed == 5
+                if show:
+                    print(f"--- {kind}, {ALGOS[alg]}")
+                lines = repro_after_failure(alg, kind, world, seed, verbose=show)
+                totals[0] += int(lines[-1].split()[0])
+                totals[1] += int(lines[0].split(": ")[1].split()[0])
+    print(f"18 configurations: {totals[0]} (rank, call) outputs complete but wrong, {totals[1]} hazards")
     for rows in (3, 0):
         print(f"--- seq wrap, {rows} rows")
         repro_seq_wrap(rows)

@@ -112,6 +112,10 @@ MUTANTS = {
         "pull_rows_of_next_block": ("one-shot pull: block b sums the rows block b+1 copied (block-to-row mapping)",
                                     "for row in range(k.b, p.rows, k.grid):  # the rows this block copied",
                                     "for row in range((k.b + 1) % k.grid, p.rows, k.grid):  # the rows this block copied"),
+        "runs_after_failure": ("calls queued behind a failure run (no rank_failed() check at kernel entry)",
+                               "    return k.first_error_code() != 0", "    return False"),
+        "seq_wraps_to_zero": ("the call counter wraps to 0 (stale flag words read as call 0)",
+                              "    return 2 if seq == M32 else seq + 1", "    return (seq + 1) & M32"),
     },
     "norm": {
         "warp_sum_missing_lane": ("warp_sum: the butterfly stops at offset 2 (lane l + l^1 never added)",

@@ -341,9 +341,11 @@ def cases(quick):
         rows, hidden = rng.randint(1, 4), rng.choice(hiddens)
         dt = rng.choice([f32, f16, bf16])
         sc = rng.choice([None, None, 0.02])
-        addr = rng.choice([None, None, None, dict(x=2 * SIZEOF[dt] // 2, residual_out=4)])
-        label = f"random {s}: {rows}x{hidden} {NAMES[dt]}" + (" fp8 out" if sc else "") + (" misaligned" if addr else "")
-        out.append((label, lambda a=(rows, hidden, dt, 100 + s), sc=sc, addr=addr: compare(*a, out_scale=sc, addr=addr)))
+        addr = rng.choice([None, None, None, dict(x=SIZEOF[dt], residual_out=4)])  # one element off; 4 bytes off
+        label = f"random {s}: {rows}x{hidden} {NAMES[dt]}" + (" fp8 out" if sc else "") + \
+            (" misaligned" if addr else "")
+        out.append((label, lambda a=(rows, hidden, dt, 100 + s), sc=sc, addr=addr:
+                    compare(*a, out_scale=sc, addr=addr)))
     return out
 
 
