@@ -147,6 +147,50 @@ def test_empty_batch():
         assert out.shape == (0, 4, 64)
 
 
+def test_fixed_tile_falls_back_when_shared_memory_is_short(monkeypatch):
+    """With autotune off on a GPU, a tile whose shared memory exceeds the device's (sm_120: 99 KB
+    at head dim 256) fails its launch with OutOfResources before anything is queued; the launcher
+    takes the next smaller tile and keeps it for the shape. (Triton itself faked here: on CPU the
+    interpreter has no shared-memory limit.)"""
+    from triton.runtime.errors import OutOfResources
+
+    tried = []
+
+    class Kernel:
+        def __getitem__(self, grid):
+            def launch(*args, BLOCK_N, num_warps, num_stages=3, **meta):
+                tried.append((BLOCK_N, num_stages))
+                if BLOCK_N * num_stages > limit:
+                    raise OutOfResources(BLOCK_N * num_stages, limit, "shared memory")
+            return launch
+
+    monkeypatch.setattr(triton_kernel, "_tree_verify_fwd_kernel", Kernel())
+    monkeypatch.setattr(triton_kernel, "triton_interpreting", lambda: False)
+    monkeypatch.setattr(triton_kernel, "_kernel_for_launch", lambda: (None, True))
+    monkeypatch.setattr(triton_kernel, "_fixed_tile_for", {})
+    case = make_case([3, 2], [5, 0], hq=4, hkv=2, seed=3, dtype=torch.float16)
+    c = case.args
+    out = torch.empty(c[0].shape[0], 4, 64, dtype=torch.float16)
+
+    def run():
+        triton_kernel.tree_verify_attention(*c[:6], c[6], 0.125, out, None, num_kv_splits=1)
+
+    limit = 64
+    run()
+    assert tried == [(64, 3), (64, 2), (32, 2)]
+    tried.clear()
+    run()
+    assert tried == [(32, 2)]  # kept for the shape
+    limit = 8
+    monkeypatch.setattr(triton_kernel, "_fixed_tile_for", {})
+    tried.clear()
+    with pytest.raises(OutOfResources):
+        run()
+    assert tried == list(triton_kernel._FIXED_TILES)
+    # head dim 256 and fp32 inputs start narrower (they do not fit sm_120 at BLOCK_N 64)
+    assert triton_kernel._fixed_tiles(256, False)[0] == (32, 2) and triton_kernel._fixed_tiles(64, True)[0] == (16, 2)
+
+
 # ----------------------------------------------------------------------------- GPU
 GPU_GRID = GRID + [
     pytest.param([16] * 8, [4096] * 8, "random", 32, 8, id="gpu-b8-l4k"),

@@ -354,6 +354,11 @@ def _commit_kernel(
 
 
 # --------------------------------------------------------------------------- launchers
+# 8 warps: the [BLOCK_B, 64] tiles of one bookkeeping program spill registers at 4 (up to 1 KB
+# at max_draft 64: tools/triton_compile_report.py); the programs are few, so warps cost nothing.
+_WARPS = 8
+
+
 def _chunk(num_requests: int) -> int:
     return min(triton.next_power_of_2(max(num_requests, 1)), 64)
 
@@ -367,7 +372,7 @@ def alloc_draft_slots(req_to_token, req_pool_indices, seq_lens, num_draft, free_
         req_pool_indices, seq_lens, num_draft, free_pages, num_free, free_pages.numel(),
         out_cache_loc, out_cache_loc.numel(), status, B, max_draft,
         LOG2P=page_size.bit_length() - 1, BLOCK_B=_chunk(B), BLOCK_N=triton.next_power_of_2(max_draft),
-        BLOCK_OUT=256,
+        BLOCK_OUT=256, num_warps=_WARPS,
     )
 
 
@@ -399,5 +404,5 @@ def commit_draft_slots(req_to_token, req_pool_indices, seq_lens, num_draft, acce
         LOG2P=log2p, PREFIX_ONLY=page_size > 1 and not moves, UNIT_BYTES=min(kv_table.unit_bytes, 8) if moves else 1,
         MOVES=moves, ON_GPU=not _ops.triton_interpreting(),
         BLOCK_B=_chunk(B), BLOCK_N=triton.next_power_of_2(max_draft), BLOCK_A=triton.next_power_of_2(max(width, 1)),
-        BLOCK_Q=triton.next_power_of_2(max_draft // page_size + 2), BLOCK_U=128,
+        BLOCK_Q=triton.next_power_of_2(max_draft // page_size + 2), BLOCK_U=128, num_warps=_WARPS,
     )

@@ -21,6 +21,7 @@ from typing import Optional
 import torch
 import triton
 import triton.language as tl
+from triton.runtime.errors import OutOfResources
 
 from .._ops import triton_interpreting
 from .._autotune import LazyAutotune
@@ -217,11 +218,32 @@ def _autotune_configs():
 
 def _prune_configs(configs, named_args, **kwargs):
     # Keep the K and V tiles of all pipeline stages within 96 KB of shared memory (sm_120: 99 KB).
+    # The estimate leaves out Q and the compiler's scratch: a config that still does not fit fails
+    # its launch with OutOfResources, which the autotuner skips. When none is kept (fp32 at head
+    # dim 256), the smallest tile (tools/triton_compile_report.py: fits sm_120).
     args = {**named_args, **kwargs}
     elt = args["K"].element_size()
     budget = 96 * 1024
     kept = [c for c in configs if c.kwargs["BLOCK_N"] * (args["D"] + args["DV"]) * elt * c.num_stages <= budget]
-    return kept or configs[:1]
+    return kept or [triton.Config({"BLOCK_N": 16}, num_warps=8, num_stages=2)]
+
+
+# The fixed tile (autotune off): (BLOCK_N, num_stages) candidates, tried in this order; the first
+# whose shared memory fits the device is kept per shape (a launch that needs more than the device
+# has, e.g. sm_120's 99 KB per block, raises OutOfResources before anything is queued). Chosen
+# from tools/triton_compile_report.py's sm_90 / sm_120 compiles: head dim 256 and fp32 (exact fp32
+# dot) need narrower KV tiles, and 8 warps avoid register spills there and at BLOCK_M >= 64.
+_FIXED_TILES = ((64, 3), (64, 2), (32, 2), (16, 2), (16, 1))
+_fixed_tile_for: dict = {}
+
+
+def _fixed_tiles(head_dim: int, ieee_dot: bool) -> tuple:
+    first = (16, 2) if ieee_dot else (32, 2) if head_dim >= 256 else (64, 3)
+    return _FIXED_TILES[_FIXED_TILES.index(first):]
+
+
+def _fixed_warps(block_m: int, head_dim: int, ieee_dot: bool) -> int:
+    return 8 if block_m >= 64 or head_dim >= 256 or ieee_dot else 4
 
 
 # The tiles searched per shape bucket (BLOCK_M comes from the rows per request).
@@ -298,9 +320,23 @@ def tree_verify_attention(
     def grid(META):
         return (B * Hkv * triton.cdiv(max_rows, META["BLOCK_M"]), splits)
 
-    if fixed or block_n is not None:
-        bn = block_n or (32 if triton_interpreting() else 64)
-        _tree_verify_fwd_kernel[grid](*args, **meta, BLOCK_N=bn, num_warps=4)
+    if block_n is not None or triton_interpreting():
+        _tree_verify_fwd_kernel[grid](*args, **meta, BLOCK_N=block_n or 32, num_warps=4)
+    elif fixed:
+        key = (q.device, q.dtype, k_cache.dtype, D, Dv, group, is_decode, partial, block_m)
+        tiles = _fixed_tiles(max(D, Dv), ieee)
+        if key in _fixed_tile_for:
+            tiles = tiles[tiles.index(_fixed_tile_for[key]):]
+        warps = _fixed_warps(block_m, max(D, Dv), ieee)
+        for i, (bn, stages) in enumerate(tiles):
+            try:
+                _tree_verify_fwd_kernel[grid](*args, **meta, BLOCK_N=bn, num_warps=warps, num_stages=stages)
+            except OutOfResources:
+                if i == len(tiles) - 1:
+                    raise
+                continue
+            _fixed_tile_for[key] = (bn, stages)
+            break
     else:
         kernel[grid](*args, **meta)
 
