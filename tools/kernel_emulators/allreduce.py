@@ -39,8 +39,9 @@ rel, fp16 2e-3 + 1e-3 rel, fp8 2e-3 + 6.25% rel after dequantising) and bit-iden
 ranks; each output element written exactly once; the host error words stay 0 - or, in the
 timeout / size-mismatch cases, carry the kernel's report on every surviving rank.
 
-repro_after_failure() and repro_seq_wrap() (python allreduce.py repro) reproduce the two problems
-reported in README.md; they are not in cases(), which pass on the kernel as it is.
+repro_after_failure() and repro_seq_wrap() (python allreduce.py repro) are the scenarios of the
+two problems this emulator found in the kernel at 7e748f8 (README.md, "Findings"); both are fixed
+in the kernel and transliterated here (rank_failed(), next_seq()), and both are cases.
 Update this file together with the kernel (see README.md).
 """
 from __future__ import annotations
