@@ -111,6 +111,15 @@ __device__ __forceinline__ uint64_t load_acquire_sys(const uint64_t* ptr) {
   return v;
 }
 
+// The push data: written by one rank while another polls it, so both sides are volatile
+// (relaxed, system scope, in the PTX memory model) rather than plain accesses, which would be a
+// data race there.
+__device__ __forceinline__ void store_volatile_16(void* ptr, const uint4& v) {
+  asm volatile("st.volatile.global.v4.u32 [%0], {%1, %2, %3, %4};" ::"l"(ptr), "r"(v.x), "r"(v.y), "r"(v.z),
+               "r"(v.w)
+               : "memory");
+}
+
 __device__ __forceinline__ uint4 load_volatile_16(const void* ptr) {
   uint4 v;
   asm volatile("ld.volatile.global.v4.u32 {%0, %1, %2, %3}, [%4];"
@@ -386,8 +395,7 @@ __global__ void __launch_bounds__(1024, 1) oneshot_push_kernel(const Params p) {
 #pragma unroll
       for (int q = 0; q < kMaxRanks; ++q) {
         if (q >= p.world) break;
-        reinterpret_cast<uint4*>(p.bases[q] + p.layout.push[slot] + p.rank * p.push_stride +
-                                 row * rb)[v] = u;
+        store_volatile_16(p.bases[q] + p.layout.push[slot] + p.rank * p.push_stride + row * rb + v * 16, u);
       }
     }
 
