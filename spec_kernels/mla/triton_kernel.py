@@ -108,7 +108,12 @@ def _mla_fwd_kernel(
         n_draft = tl.load(QO_INDPTR + req + 1) - q_start
     kv_start = tl.load(KV_INDPTR + req).to(tl.int64)
     kv_len = tl.load(KV_INDPTR + req + 1) - tl.load(KV_INDPTR + req)
-    prefix_len = tl.maximum(kv_len - n_draft, 0)
+    if IS_DECODE:
+        # The query sees every slot: all of it is prefix, no masked tail. (A one-slot tail loop
+        # is flattened and its loads hoisted across the prefix loop: registers spill.)
+        prefix_len = kv_len
+    else:
+        prefix_len = tl.maximum(kv_len - n_draft, 0)
 
     if m_block * BLOCK_M < n_draft * HEADS:
         offs_m = m_block * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -143,13 +148,14 @@ def _mla_fwd_kernel(
                                          num_slots, DV, DR, False, COMPUTE_F32, IEEE_DOT)
 
         # ---- tail: the n_draft draft slots under the ancestor bitmask (last split only)
-        if split == num_splits - 1:
-            for t0 in range(0, n_draft, BLOCK_N):
-                key_ok = (t0 + offs_n < n_draft) & (prefix_len + t0 + offs_n < kv_len)
-                m_i, l_i, acc = _attend_tile(q_lat, q_rope, m_i, l_i, acc, KV, KV_INDICES,
-                                             kv_start + prefix_len + t0, offs_n, key_ok, row_bits >> t0, qk_scale,
-                                             stride_kv, num_indices, num_slots, DV, DR, True, COMPUTE_F32,
-                                             IEEE_DOT)
+        if not IS_DECODE:
+            if split == num_splits - 1:
+                for t0 in range(0, n_draft, BLOCK_N):
+                    key_ok = (t0 + offs_n < n_draft) & (prefix_len + t0 + offs_n < kv_len)
+                    m_i, l_i, acc = _attend_tile(q_lat, q_rope, m_i, l_i, acc, KV, KV_INDICES,
+                                                 kv_start + prefix_len + t0, offs_n, key_ok, row_bits >> t0, qk_scale,
+                                                 stride_kv, num_indices, num_slots, DV, DR, True, COMPUTE_F32,
+                                                 IEEE_DOT)
 
         # ---- epilogue: rows that saw no key get zeros and lse = -inf
         seen = l_i > 0.0
