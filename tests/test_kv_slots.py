@@ -149,6 +149,12 @@ def _set(idx, value):
     return fn
 
 
+def _on(device, args):
+    """A copy of make_args' dict with its tensors (and lists of tensors) on device."""
+    return {k: (v.to(device) if isinstance(v, torch.Tensor) else [t.to(device) for t in v] if isinstance(v, list)
+                else v) for k, v in args.items()}
+
+
 def _state(args):
     kv = args.get("kv_buffers")
     tensors = [args[k] for k in ("req_to_token", "free_pages", "num_free")] + (kv if isinstance(kv, list) else [])
@@ -286,9 +292,7 @@ def _refusal_case(op, name, make_bad, device="cpu"):
         args = _with(args, name, make_bad)
     if name == "num_free" and op == "commit" and args["num_free"].item() == 41:
         args["accept_index"][2, 2] = 7  # also a bad request
-    args = {k: (v.to(device) if isinstance(v, torch.Tensor) else [t.to(device) for t in v] if isinstance(v, list)
-                else v) for k, v in args.items()}
-    return args, total
+    return _on(device, args), total
 
 
 def _expected_refusal(op, args, total):
@@ -420,8 +424,7 @@ def _hand_off_commit(move_sync, tag, device="cpu", impl="triton", num_shares=1, 
     a = make_args(after_alloc=True)
     if make_bad is not None:
         a = _with(a, *make_bad)
-    a = {k: (v.to(device) if isinstance(v, torch.Tensor) else [t.to(device) for t in v] if isinstance(v, list)
-             else v) for k, v in a.items()}
+    a = _on(device, a)
     status = torch.full((reference.STATUS_LEN,), -9, dtype=torch.int64, device=device)
     new = torch.full_like(a["seq_lens"], -9)
     common = (a["req_to_token"], a["req_pool_indices"], a["seq_lens"], a["num_draft"], a["accept_index"],
@@ -496,9 +499,7 @@ def test_refused_then_accepted_with_one_scratch_and_tag():
 def check_empty_batch_with_kv_buffers(device, impls):
     """B = 0 with KV buffers and page size 4: nothing to do, no error, state unchanged."""
     for impl in impls:
-        a = make_args(after_alloc=True)
-        a = {k: (v.to(device) if isinstance(v, torch.Tensor) else [t.to(device) for t in v] if isinstance(v, list)
-                 else v) for k, v in a.items()}
+        a = _on(device, make_args(after_alloc=True))
         before = _state(a)
         empty = torch.zeros(0, dtype=torch.int64, device=device)
         new = spec_kernels.commit_draft_slots(a["req_to_token"], empty, empty, empty, empty.reshape(0, 3), empty,

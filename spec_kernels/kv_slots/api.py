@@ -86,8 +86,14 @@ def move_sync(device: torch.device) -> tuple[torch.Tensor, int]:
     return torch.empty(triton_kernel.MOVE_SYNC_WORDS, dtype=torch.int64, device=device), tag
 
 
-def _moves_rows(req_pool_indices: torch.Tensor, page_size: int, table: Optional[KvTable]) -> bool:
-    return table is not None and page_size > 1 and req_pool_indices.numel() > 0
+def _kv_moves(req_to_token, req_pool_indices, kv_buffers, page_size: int, buffers_per_share: int):
+    """What a commit kernel needs to move KV rows: (KvTable or None, programs per request,
+    hand-off scratch or None, tag). Rows move only with pages > 1, buffers and requests."""
+    table = kv_table(kv_buffers) if kv_buffers and page_size > 1 else None
+    B = req_pool_indices.numel()
+    shares = _kv_shares(req_to_token.device, B, len(kv_buffers), buffers_per_share)
+    sync, tag = move_sync(req_to_token.device) if table is not None and B > 0 else (None, 0)
+    return table, shares, sync, tag
 
 
 # --------------------------------------------------------------------------- implementations
@@ -99,9 +105,7 @@ COMMIT.register("reference")(reference.commit_draft_slots)
 @COMMIT.register("triton")
 def _commit_triton(req_to_token, req_pool_indices, seq_lens, num_draft, accept_index, accept_len, free_pages,
                    num_free, page_size, max_draft, kv_buffers, new_seq_lens, status):
-    table = kv_table(kv_buffers) if kv_buffers and page_size > 1 else None
-    shares = _kv_shares(req_to_token.device, req_pool_indices.numel(), len(kv_buffers), 1)
-    sync, tag = move_sync(req_to_token.device) if _moves_rows(req_pool_indices, page_size, table) else (None, 0)
+    table, shares, sync, tag = _kv_moves(req_to_token, req_pool_indices, kv_buffers, page_size, 1)
     triton_kernel.commit_draft_slots(req_to_token, req_pool_indices, seq_lens, num_draft, accept_index, accept_len,
                                      free_pages, num_free, page_size, max_draft, table, new_seq_lens, status, shares,
                                      sync, tag)
@@ -120,9 +124,7 @@ CUDA_WARPS_PER_BLOCK = 32  # csrc/kv_slots: every warp of a KV-move block copies
 @COMMIT.register("cuda")
 def _commit_cuda(req_to_token, req_pool_indices, seq_lens, num_draft, accept_index, accept_len, free_pages,
                  num_free, page_size, max_draft, kv_buffers, new_seq_lens, status):
-    table = kv_table(kv_buffers) if kv_buffers and page_size > 1 else None
-    shares = _kv_shares(req_to_token.device, req_pool_indices.numel(), len(kv_buffers), CUDA_WARPS_PER_BLOCK)
-    sync, tag = move_sync(req_to_token.device) if _moves_rows(req_pool_indices, page_size, table) else (None, 0)
+    table, shares, sync, tag = _kv_moves(req_to_token, req_pool_indices, kv_buffers, page_size, CUDA_WARPS_PER_BLOCK)
     cuda_ops().commit_draft_slots(
         req_to_token, req_pool_indices, seq_lens, num_draft, accept_index, accept_len, free_pages, num_free,
         page_size, max_draft, table.table if table else None, table.num_rows if table else 0,
