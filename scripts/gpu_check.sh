@@ -25,6 +25,8 @@
 #
 # Anchor: carry SGLang's extend-attention sources for the sglang-triton benchmark column: here,
 #   python benchmarks/_sglang_kernels.py stage .sglang_src      (then run with carry [".sglang_src"])
+# Before spending device time: `bash scripts/device_versions_check.sh` here runs the CPU suite
+# under the device's Python / torch / triton / NumPy versions (version breaks show up there).
 #
 # Time: in one 450 s run the tests keep their caps (about 330 s with the build) and the five
 # benchmark modules share what is left (~100 s): enough to see every kernel run, too little for
