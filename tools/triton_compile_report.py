@@ -25,7 +25,7 @@ num_warps / num_stages and an estimate of resident blocks per SM.
 Exit status 1 if a config the launcher can choose fails to compile, exceeds shared memory or
 cannot be resident (0 blocks / SM); 0 otherwise (spills are reported, not fatal).
 
-    PYTHONPATH=. python tools/triton_compile_report.py [--arch 90,120] [--quick] [--json OUT]
+    python tools/triton_compile_report.py [--arch 90,120] [--quick] [--json OUT]
 
 Run time on 2 CPU cores (270 compiles by default): triton 3.8 about 3.5 min (6 min with another
 job on the cores), triton 3.6 about 3 min; --quick (106 compiles) 1.5 min; --ci (14) 10 s.
@@ -55,6 +55,11 @@ import time  # noqa: E402
 import types  # noqa: E402
 from dataclasses import dataclass, field  # noqa: E402
 from typing import Any, Optional  # noqa: E402
+
+# Run from anywhere without PYTHONPATH: the package is imported from this checkout.
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if REPO not in sys.path:
+    sys.path.insert(0, REPO)
 
 import torch  # noqa: E402
 import triton  # noqa: E402
