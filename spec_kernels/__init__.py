@@ -5,15 +5,15 @@ reference implementations picked by device (see spec_kernels._ops); `python -m s
 shows what this machine will run.
 """
 from ._checks import set_debug_checks
-from ._ops import triton_interpreting
-from ._triton_compat import fix_interpreter_scalar_index
-
-if triton_interpreting():
-    fix_interpreter_scalar_index()
 from .tree_verify import decode_attention, tree_mask_from_parents, tree_verify_attention
 from .kv_slots import alloc_draft_slots, commit_draft_slots
 from .mla import mla_decode_attention, mla_tree_verify_attention
 from .norm import fused_add_rmsnorm
+from ._ops import triton_interpreting
+from ._triton_compat import fix_interpreter_scalar_index
+
+if triton_interpreting():  # before any interpreted kernel runs (the interpreter patches per call)
+    fix_interpreter_scalar_index()
 
 __version__ = "0.1.0"
 
