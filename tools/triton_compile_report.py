@@ -113,6 +113,16 @@ def _patched(module, **values):
 _CUDA = types.SimpleNamespace(type="cuda", index=0)  # what the launch plan sees instead of the meta device
 
 
+_DTYPE_NAMES = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}
+
+
+def _batch_label(mode, B, drafts, max_draft):
+    """How an attention case names its batch: decode B, or B x drafts (and the max_draft bound)."""
+    if mode == "decode":
+        return f"B{B}"
+    return f"B{B}x{drafts}drafts" + (f" max_draft={max_draft}" if max_draft else "")
+
+
 def _meta(shape, dtype):
     return torch.empty(shape, dtype=dtype, device="meta")
 
@@ -169,9 +179,7 @@ def _tree_verify_case(dtype, D, group, mode, B, drafts, max_draft=0, lse=True, i
         return _record(tv, ["_tree_verify_fwd_kernel", "_merge_splits_kernel"], "_kernel_for_launch", autotune, sms,
                        lambda: tv.tree_verify_attention(q, k, v, kv_indptr, kv_indices, qo, mask, D ** -0.5, out,
                                                         lse_t, 0, 1 if mode == "decode" else max_draft))
-    dn = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}[dtype]
-    shape = f"B{B}" if mode == "decode" else f"B{B}x{drafts}drafts" + (f" max_draft={max_draft}" if max_draft else "")
-    return f"{dn} D{D} GQA{group} {mode} {shape}", run
+    return f"{_DTYPE_NAMES[dtype]} D{D} GQA{group} {mode} {_batch_label(mode, B, drafts, max_draft)}", run
 
 
 def _mla_case(dtype, H, mode, B, drafts, max_draft=0, lse=True, dv=512, dr=64):
@@ -194,9 +202,7 @@ def _mla_case(dtype, H, mode, B, drafts, max_draft=0, lse=True, dv=512, dr=64):
                        lambda: mla.mla_tree_verify_attention(q, kv, kv_indptr, kv_indices, qo, mask,
                                                              (dv + dr) ** -0.5, dv, out, lse_t, 0,
                                                              1 if mode == "decode" else max_draft))
-    dn = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}[dtype]
-    shape = f"B{B}" if mode == "decode" else f"B{B}x{drafts}drafts" + (f" max_draft={max_draft}" if max_draft else "")
-    return f"{dn} H{H} {dv + dr}/{dv} {mode} {shape}", run
+    return f"{_DTYPE_NAMES[dtype]} H{H} {dv + dr}/{dv} {mode} {_batch_label(mode, B, drafts, max_draft)}", run
 
 
 def _norm_case(dtype, hidden, fp8=False, rows=64):
@@ -211,8 +217,7 @@ def _norm_case(dtype, hidden, fp8=False, rows=64):
     def run(autotune, sms):
         return _record(nk, ["_fused_add_rmsnorm_kernel"], None, autotune, sms,
                        lambda: nk.fused_add_rmsnorm(x, res, w, 1e-6, out, res_out, 0.5 if fp8 else None))
-    dn = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}[dtype]
-    return f"{dn} hidden={hidden}" + (" -> fp8e4m3" if fp8 else ""), run
+    return f"{_DTYPE_NAMES[dtype]} hidden={hidden}" + (" -> fp8e4m3" if fp8 else ""), run
 
 
 def _kv_alloc_case(B, page_size, max_draft, rtt=torch.int32, idx=torch.int64):
