@@ -11,7 +11,7 @@ experts' intermediate dimension is split across ranks, no expert parallelism).
     llama-3.3-70b-tp8   Llama-3.3-70B, TP8: 80 layers, hidden 8192, 64/8 heads -> 8/1 per rank, MLP 28672/8
     deepseek-v3-tp8     DeepSeek-V3, TP8: 61 layers, hidden 7168, MLA 128 heads -> 16 per rank, MoE 256 x top-8
     kimi-k2.5-tp8       Kimi K2.5 (the Kimi K2 architecture), TP8: as DeepSeek-V3 with 64 heads -> 8 per
-                        rank, MoE 384 x top-8: the deployment of shared/DESIGN.md
+                        rank, MoE 384 x top-8: the deployment of docs/design.md
     tiny-gqa, tiny-mla  CPU presets (the harness runs, no meaning to the times)
 
 MoE proxy (the MLA presets). A rank runs, per layer, the router, the shared expert (a dense MLP of
@@ -35,7 +35,7 @@ from dataclasses import dataclass, replace
 from typing import Optional, Union
 
 # MLA's cached latent: 512 compressed dims + 64 rope dims in one head shared by all query heads;
-# V is the first 512 of the same row (shared/DESIGN.md, issue 7's API).
+# V is the first 512 of the same row (docs/design.md).
 MLA_KV_DIM = 576
 MLA_V_DIM = 512
 
@@ -178,7 +178,7 @@ GRIDS = {
     # scripts/gpu_check.sh: the deployment's model and a dense one, a coarse B grid (not measured yet).
     "gpu-quick": Grid(("kimi-k2.5-tp8", "llama-3.3-70b-tp8"), batch_sizes=(1, 10, 70, 250),
                       draft_counts=(4, 16), contexts=(2048,), rounds=5),
-    # The full grid of issue 8: the deployment table's concurrencies and four tree sizes.
+    # The full grid: the deployment table's concurrencies and four tree sizes.
     "gpu": Grid(tuple(p for p in PRESETS if not p.startswith("tiny")),
                 batch_sizes=(1, 2, 5, 10, 30, 70, 100, 250), draft_counts=(4, 8, 16, 32), contexts=(2048,),
                 rounds=10),

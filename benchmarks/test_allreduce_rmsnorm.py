@@ -3,7 +3,7 @@
     pytest benchmarks/test_allreduce_rmsnorm.py --benchmark-only                # preset by device
     SPEC_KERNELS_BENCH_PRESET=gpu pytest benchmarks/test_allreduce_rmsnorm.py --benchmark-only
 
-GOAL (shared/DESIGN.md): on 8x RTX PRO 6000 Blackwell joined only by PCIe Gen5, tensor parallel 8,
+GOAL (docs/design.md): on 8x RTX PRO 6000 Blackwell joined only by PCIe Gen5, tensor parallel 8,
 one decode token of hidden 7168 bf16 (14 KB per rank) through allreduce + residual add + RMSNorm
 in <= 8 us per layer, where NCCL alone takes 36-60 us. The physical floor is about 4-6 us
 (~1 us launch inside a CUDA graph, 0.5-3 us P2P latency, 100 KB of ingress at 25-50 GB/s).

@@ -6,7 +6,7 @@
     python -m spec_kernels.policy --costs OUT/decode_step.json --acceptance ACC.json \\
         --select preset=kimi-k2.5-tp8                                           # when does EAGLE pay?
 
-Why: shared/DESIGN.md's deployment (Kimi K2.5, TP8) lost 16-58% throughput with EAGLE-3 under
+Why: the deployment in docs/design.md (Kimi K2.5, TP8) lost 16-58% throughput with EAGLE-3 under
 load. An EAGLE step pushes B x n tokens through the target model where plain decoding pushes B;
 whether that pays depends on how each part of a layer's time grows with its token count. This
 module measures exactly that, per layer and per part, on one GPU rank.
@@ -75,7 +75,7 @@ step needs to tie; then the components and the anchors), and with --benchmark-js
 per (preset, L) next to PATH: decode_step-<preset>-L<L>.png (also: python benchmarks/_timing.py
 --plots DIR PATH).
 
-GPU targets (shared/DESIGN.md): the decode-step benchmarks reproduce the deployment table
+GPU targets (docs/design.md): the decode-step benchmarks reproduce the deployment table
 qualitatively (EAGLE's step growing much faster with B than plain decoding's; add the allreduce
 measured on the target machine), and the policy built from them never predicts a configuration
 slower than the better of baseline and EAGLE. The anchor rows say what the anchors' attention

@@ -24,7 +24,7 @@ Each case is checked against the reference (where its host loop is cheap) before
 Bytes (extra_info["bytes"], the "GB/s" column): B*(L+n)*576*elt (every latent row read once:
 the value is part of it) + B*n*H*(576+512)*elt (q read, out written).
 
-GPU target (issue 7): MLA verify at n = 16 <= 1.2 x MLA decode (the "/dec" column) at L >= 4k.
+GPU target: MLA verify at n = 16 <= 1.2 x MLA decode (the "/dec" column) at L >= 4k.
 No GPU figure exists yet: nothing of this module has run on a GPU; the CPU runs of the tiny
 preset go through the Triton interpreter and say nothing about GPU performance.
 

@@ -42,7 +42,7 @@ first call of a shape); on a GPU one round = several calls captured in one CUDA 
 capture fails: extra_info["timing"]) timed with a clock that calls torch.cuda.synchronize(); all
 statistics are per call.
 
-GPU targets (shared/DESIGN.md), tree verify at n = 16, L >= 4k, GQA 4-8:
+GPU targets (docs/design.md), tree verify at n = 16, L >= 4k, GQA 4-8:
   * time <= 1.15 x plain decode (n = 1) at the same B and L        (the "/dec" column)
   * >= 80% of the GPU's measured streaming-read bandwidth          (the "%rd" column)
   * >= 3x faster than SGLang's Triton extend-with-mask kernel      (the sglang-triton column)

@@ -1,5 +1,6 @@
 """The speculation policy (spec_kernels.policy): synthetic costs with known answers, the input
 formats, the worked example's files, SGLang's config format and the CLI."""
+import copy
 import json
 import os
 import random
@@ -24,7 +25,7 @@ from spec_kernels.policy.model import break_even_tau
 
 ROOT = Path(__file__).resolve().parents[1]
 EXAMPLES = ROOT / "spec_kernels" / "policy" / "examples"
-# shared/DESIGN.md: concurrency -> (EAGLE-3 tok/s, baseline tok/s)
+# docs/design.md: concurrency -> (EAGLE-3 tok/s, baseline tok/s)
 DESIGN_TABLE = {1: (77.5, 92.6), 2: (125.1, 159.7), 5: (183.2, 292.5), 10: (239.6, 457.2),
                 30: (299.5, 711.0), 70: (337.7, 784.2), 100: (338.8, 761.6), 250: (340.9, 772.1)}
 
@@ -146,6 +147,36 @@ def test_decode_step_benchmark_json_is_read_scaled_by_layers_with_draft_added(tm
     assert costs.step_time(1, 4) == pytest.approx(0.030 + 0.001)  # verify + draft, x 10 layers
     with pytest.raises(ValueError, match="differ in impl"):
         load_costs(path)
+
+
+def test_cpu_or_tiny_costs_warn_loudly_and_hand_written_costs_do_not(tmp_path, capsys):
+    from spec_kernels.policy.__main__ import main
+
+    acceptance = write(tmp_path / "acc.json", {"configs": [{"n": 4, "tau": 2.0}]})
+    rows = [bench_result("baseline", 1, 1, 1e-3), bench_result("eagle", 1, 4, 2e-3)]
+    gpu = {"machine_info": {"spec_kernels": {"device": {"type": "cuda", "name": "NVIDIA H200"}, "preset": "gpu"}},
+           "benchmarks": copy.deepcopy(rows)}
+    for r in gpu["benchmarks"]:
+        r["extra_info"]["preset"] = "kimi-k2.5-tp8"
+    cpu = {"machine_info": {"spec_kernels": {"device": {"type": "cpu", "name": "x86_64"}, "preset": "tiny"}},
+           "benchmarks": rows}
+    for doc, expect in ((gpu, None), (cpu, "a CPU run (x86_64) and the tiny preset"),
+                        (json.loads((EXAMPLES / "design_table_costs.json").read_text()), None)):
+        path = write(tmp_path / "costs.json", doc)
+        out = str(tmp_path / "out")
+        assert main(["--costs", path, "--acceptance", acceptance, "--interpolate-n", "--out-dir", out]) == 0
+        err = capsys.readouterr().err
+        if expect is None:
+            assert "WARNING" not in err and not load_costs(path).caveats
+        else:
+            line = next(l for l in err.splitlines() if "WARNING" in l)
+            assert line.startswith(f"WARNING: {path}: timings from {expect}") and "GPU" in line
+    # a GPU run of a tiny model preset is still flagged, from the rows that are used
+    gpu["benchmarks"].append(bench_result("eagle", 1, 8, 3e-3))  # preset="tiny-gqa" below
+    gpu["benchmarks"][-1]["extra_info"]["preset"] = "tiny-gqa"
+    path = write(tmp_path / "costs.json", gpu)
+    assert load_costs(path).caveats == ["the tiny preset (tiny-gqa)"]
+    assert load_costs(path, select={"preset": "kimi-k2.5-tp8"}).caveats == []
 
 
 def test_allreduce_cost_is_added_per_layer_and_can_flip_the_choice(tmp_path):

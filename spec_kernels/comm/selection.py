@@ -36,7 +36,7 @@ DEFAULT_TUNING_PATH = Path("~/.cache/spec_kernels/allreduce_tuning.json")
 CUDA_ALGORITHMS = ("oneshot_push", "oneshot_pull", "twoshot")
 ALGORITHMS = CUDA_ALGORITHMS + ("torch",)
 
-# First-principles model of one call (PCIe Gen5 x16, no NVLink; DESIGN.md "Allreduce ...").
+# First-principles model of one call (PCIe Gen5 x16, no NVLink; docs/design.md, "What the alternatives do").
 P2P_HOP_US = 3.0  # one cross-GPU signal: write + remote poll sees it (0.5-3 us measured on PCIe)
 P2P_GBPS = 25.0  # P2P ingress per GPU (Gen5 x16 P2P through switches / root complex: 25-50)
 TORCH_BASE_US = 30.0  # NCCL over PCIe for a tiny message at TP 4-8 (measured 13-60 us)

@@ -1,4 +1,4 @@
-"""Optional SGLang hooks of the spec-kernels plugin (issue 6, item 4). Off by default.
+"""Optional SGLang hooks of the spec-kernels plugin. Off by default.
 
 ``SPEC_KERNELS_SGLANG_FUSED_ALLREDUCE`` (unset / ``0``: off; ``1`` or ``auto``; ``force``)
     SGLang 0.5.23 completes a tensor-parallel layer's output sum at the NEXT stage's input, in its
