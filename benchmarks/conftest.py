@@ -24,12 +24,24 @@ from spec_kernels import _ops  # noqa: E402
 RESULTS = pytest.StashKey[list]()
 
 
+def _json_path(config):
+    """--benchmark-json as an absolute path, or None. pytest-benchmark 5 gives a Path (its `.name`
+    is the bare file name), older versions an open file (its `.name` is the path as typed)."""
+    value = config.getoption("benchmark_json", default=None)
+    if value is None:
+        return None
+    return os.path.abspath(value if isinstance(value, os.PathLike) else value.name)
+
+
 def pytest_configure(config):
     try:
         _timing.active_preset()
     except ValueError as exc:
         raise pytest.UsageError(str(exc)) from None
     config.stash[RESULTS] = []
+    json_path = _json_path(config)
+    if json_path is not None:  # create OUT/ of --benchmark-json=OUT/x.json now, not fail after the run
+        os.makedirs(os.path.dirname(json_path), exist_ok=True)
 
 
 @pytest.fixture
@@ -98,9 +110,9 @@ def pytest_terminal_summary(terminalreporter, config):
     terminalreporter.write_sep("-", f"spec-kernels summary (preset {_timing.active_preset().name})")
     for line in _timing.format_summary(rows):
         terminalreporter.write_line(line)
-    json_file = config.getoption("benchmark_json", default=None)
-    if json_file is not None and any(r["kind"] == "decode_step" for r in rows):
-        out_dir = os.path.dirname(os.path.abspath(json_file.name))
+    json_path = _json_path(config)
+    if json_path is not None and any(r["kind"] == "decode_step" for r in rows):
+        out_dir = os.path.dirname(json_path)  # the plots go next to the JSON
         try:
             for path in _timing.write_decode_step_plots(rows, out_dir):
                 terminalreporter.write_line(f"plot -> {path}")

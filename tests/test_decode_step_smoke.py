@@ -1,5 +1,5 @@
 """Smoke run of the decode-step benchmark (benchmarks/test_decode_step.py) on the tiny preset,
-its JSON fed to the speculation policy: the two halves of issue 8 fit together.
+its JSON fed to the speculation policy: the benchmark and the policy fit together.
 
 It runs pytest in a subprocess, as a user would (the benchmarks have their own conftest), and
 takes ~50 s on 2 idle cores (benchmark ~30 s, then the policy twice). The times mean nothing;
@@ -32,9 +32,14 @@ def _run(args, tmp_path, **env):
 
 
 def test_decode_step_benchmark_feeds_the_policy(tmp_path):
-    result = tmp_path / "decode_step.json"
+    # The JSON goes to a folder that does not exist yet, given relative to the cwd, as a user types
+    # `--benchmark-json=OUT/x.json`: the folder is created and the plots land next to the JSON,
+    # not in the cwd.
+    out_dir = tmp_path / "out" / "run1"
+    result = out_dir / "decode_step.json"
     out = _run(["-m", "pytest", str(ROOT / "benchmarks" / "test_decode_step.py"), "--benchmark-only",
-                f"--benchmark-json={result}", "-q", "-p", "no:cacheprovider", f"--rootdir={ROOT}"],
+                f"--benchmark-json={result.relative_to(tmp_path)}", "-q", "-p", "no:cacheprovider",
+                f"--rootdir={ROOT}"],
                tmp_path, SPEC_KERNELS_BENCH_PRESET="tiny")
 
     data = json.loads(result.read_text())
@@ -57,7 +62,8 @@ def test_decode_step_benchmark_feeds_the_policy(tmp_path):
     assert "decode step: tiny GQA model (CPU) (tiny-gqa)" in out and "x base" in out
     assert "where a layer's time goes" in out
     for m in MODELS:
-        assert (tmp_path / f"decode_step-{m}-L64.png").stat().st_size > 0
+        assert (out_dir / f"decode_step-{m}-L64.png").stat().st_size > 0
+    assert not list(tmp_path.glob("*.png")), "plots written into the cwd instead of next to the JSON"
 
     acceptance = tmp_path / "acceptance.json"
     acceptance.write_text(json.dumps({"description": "smoke: chains", "configs": [
