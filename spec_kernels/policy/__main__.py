@@ -11,6 +11,7 @@ import json
 import os
 import sys
 
+from ..bench.provenance import caveat_warning
 from .model import (
     AllReduceCost,
     CostModel,
@@ -151,6 +152,8 @@ def main(argv=None) -> int:
         print(f"error: {exc}", file=sys.stderr)
         return 2
 
+    if costs.caveats:  # first and on stderr: every number below inherits it
+        print(caveat_warning(args.costs, costs.caveats) + "; so do the predictions below", file=sys.stderr)
     print(f"costs:      {args.costs}: {costs.description}")
     print(f"acceptance: {args.acceptance}: {acc_description}")
     if args.overhead_s:

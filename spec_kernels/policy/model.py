@@ -16,6 +16,8 @@ Cost input, either of two JSON files (both become rows {mode, B, n, step_s, ...}
     - anything else (``preset``, ``impl``, ``L``, ``dtype``, device...) only selects results:
       ``--select preset=kimi-k2.5-tp8 --select L=4096``. Two results left for the same
       (mode, B, n) are an error that names the keys they differ in.
+  Times from a CPU run or the ``tiny`` preset (``machine_info["spec_kernels"]``, the rows'
+  presets) still load, with ``CostModel.caveats`` saying so (the CLI prints a WARNING).
 * a hand-written cost file: ``{"description": "...", "steps": [{"mode": "baseline", "B": 1,
   "n": 1, "step_s": 0.0108}, ...]}``, step_s = seconds per whole decode step; other keys in a
   row are kept for provenance (and ``--select``).
@@ -37,8 +39,10 @@ from __future__ import annotations
 import bisect
 import json
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Mapping, Optional, Sequence
+
+from ..bench.provenance import timing_caveats
 
 MODES = ("baseline", "eagle", "draft")
 
@@ -77,6 +81,7 @@ class CostModel:
     interpolate_n: bool = False
     description: str = ""
     draft_fixed_s: float = 0.0  # with interpolate_n: an EAGLE step's cost at n -> 1 is baseline + this
+    caveats: list[str] = field(default_factory=list)  # why the measured times say nothing about a GPU
 
     @property
     def measured_max_B(self) -> int:
@@ -156,6 +161,7 @@ def load_costs(path: str, select: Optional[Mapping[str, str]] = None, overhead_s
         raise ValueError(f"{path}: neither pytest-benchmark JSON (no 'benchmarks') nor a cost file (no 'steps')")
     select = dict(select or {})
     rows = [r for r in rows if all(str(r.get(k)) == v for k, v in select.items())]
+    caveats = timing_caveats(data, rows) if "benchmarks" in data else []  # cost files: no record
 
     points: dict[tuple[str, int], dict[int, float]] = {}
     seen: dict[tuple[str, int, int], dict] = {}
@@ -185,7 +191,8 @@ def load_costs(path: str, select: Optional[Mapping[str, str]] = None, overhead_s
             if n not in eagle:
                 raise ValueError(f"{path}: draft costs for n={n} without eagle (verify) costs for it")
             eagle[n].append(Curve(pts))
-    return CostModel(Curve(points[("baseline", 1)]), eagle, overhead_s, interpolate_n, description, draft_fixed_s)
+    return CostModel(Curve(points[("baseline", 1)]), eagle, overhead_s, interpolate_n, description, draft_fixed_s,
+                     caveats)
 
 
 @dataclass(frozen=True)
