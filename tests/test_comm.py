@@ -275,7 +275,22 @@ def test_topo_cli_without_gpus():
         pytest.skip("this machine has GPUs; test_gpu_topo_cli covers it")
     proc = _run_module("spec_kernels.comm.topo", env={"CUDA_VISIBLE_DEVICES": ""})
     assert proc.returncode == 0, proc.stderr
-    assert "no CUDA GPUs are visible" in proc.stdout
+    assert proc.stdout.startswith("no CUDA GPU visible (CUDA_VISIBLE_DEVICES is empty)")
+    proc = _run_module("spec_kernels.comm.topo", "--json")
+    assert proc.returncode == 0, proc.stderr
+    report = json.loads(proc.stdout)
+    assert report["gpus"] == [] and report["reason"].startswith("no CUDA GPU visible (")
+
+
+def test_topo_reason_for_an_empty_report():
+    from spec_kernels.comm import topo
+
+    assert "one CUDA GPU visible: no GPU pairs" in topo.empty_reason(1)
+    assert topo.empty_reason(2) is None and topo.empty_reason(8) is None
+    assert topo.empty_reason(0).startswith("no CUDA GPU visible (")
+    one = {"gpus": [{"index": 0, "name": "G", "sm": "90", "memory_GiB": 141, "pci": None, "numa_node": None}],
+           "pairs": [], "notes": [], "reason": topo.empty_reason(1)}
+    assert topo.format_report(one).splitlines()[-1] == topo.empty_reason(1)
 
 
 # --------------------------------------------------------------------------- GPU
@@ -342,10 +357,13 @@ def test_gpu_kernels_report_mismatch_and_timeout(algorithm):
 
 @pytest.mark.gpu
 def test_gpu_topo_cli():
+    from spec_kernels.comm import topo
+
     proc = _run_module("spec_kernels.comm.topo", "--json")
     assert proc.returncode == 0, proc.stderr
     report = json.loads(proc.stdout)
     assert report["gpus"] and all("numa_node" in g for g in report["gpus"])
+    assert report["reason"] == topo.empty_reason(len(report["gpus"]))  # one GPU: says so; more: null
 
 
 NVIDIA_SMI_TOPO = """\

@@ -12,7 +12,8 @@
   dependent P2P load chain.
 
 Without GPUs it says so and exits 0. ``--json`` prints the report as JSON; ``--no-probe`` skips
-the processes (static information only).
+the processes (static information only). When the report has no GPUs or no GPU pairs, its
+"reason" says why (no CUDA GPU visible, and why torch sees none; one GPU only); else it is null.
 """
 from __future__ import annotations
 
@@ -225,9 +226,24 @@ def _probe_worker(rank, world, size_mb, iters, claims):
 
 
 # --------------------------------------------------------------------------- report
+def empty_reason(count: int) -> Optional[str]:
+    """Why a report of `count` visible GPUs has no GPUs or no GPU pairs (None from 2 GPUs on)."""
+    if count == 1:
+        return "one CUDA GPU visible: no GPU pairs to measure (the probe runs two processes on it instead)"
+    if count > 1:
+        return None
+    if torch.version.cuda is None:
+        why = f"torch {torch.__version__} was built without CUDA"
+    elif os.environ.get("CUDA_VISIBLE_DEVICES") is not None and not os.environ["CUDA_VISIBLE_DEVICES"].strip():
+        why = "CUDA_VISIBLE_DEVICES is empty"
+    else:
+        why = "torch.cuda.is_available() is False: no NVIDIA driver or GPU found"
+    return f"no CUDA GPU visible ({why}): nothing to probe"
+
+
 def build_report(probe: bool = True, size_mb: int = 64, iters: int = 10, sysfs: str = "/sys") -> dict:
     count = torch.cuda.device_count() if torch.cuda.is_available() else 0
-    report: dict = {"gpus": [], "pairs": [], "notes": []}
+    report: dict = {"gpus": [], "pairs": [], "notes": [], "reason": empty_reason(count)}
     if count == 0:
         return report
     addrs = [pci_address(i) for i in range(count)]
@@ -277,7 +293,7 @@ def build_report(probe: bool = True, size_mb: int = 64, iters: int = 10, sysfs: 
 
 def format_report(report: dict) -> str:
     if not report["gpus"]:
-        return "no CUDA GPUs are visible (torch.cuda.device_count() == 0): nothing to probe"
+        return report.get("reason") or "no CUDA GPU visible: nothing to probe"
     lines = ["GPUs:"]
     for g in report["gpus"]:
         lines.append(f"  {g['index']}: {g['name']} sm_{g['sm']} {g['memory_GiB']} GiB  PCI {g['pci']}  "
@@ -295,6 +311,8 @@ def format_report(report: dict) -> str:
         lines.append(f"  {where}: {'proved' if e['proved'] else 'WRONG DATA'} by IPC write+read; write "
                      f"{e['write_GBps']:.1f} GB/s, read {e['read_GBps']:.1f} GB/s, read latency "
                      f"{e['read_latency_us']:.2f} us{'  SLOW P2P WRITES' if e['slow_writes'] else ''}")
+    if report.get("reason"):
+        lines.append(report["reason"])
     lines += [f"note: {n}" for n in report["notes"]]
     return "\n".join(lines)
 
@@ -304,8 +322,8 @@ def main(argv: Optional[list[str]] = None) -> int:
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--json", action="store_true", help="print the report as JSON")
     ap.add_argument("--no-probe", action="store_true", help="static information only, no kernels")
-    ap.add_argument("--size-mb", type=int, default=64, help="bandwidth probe buffer per pair")
-    ap.add_argument("--iters", type=int, default=10)
+    ap.add_argument("--size-mb", type=int, default=64, help="bandwidth probe buffer per pair, MiB (default 64)")
+    ap.add_argument("--iters", type=int, default=10, help="timed copies per bandwidth figure (default 10)")
     args = ap.parse_args(argv)
     report = build_report(probe=not args.no_probe, size_mb=args.size_mb, iters=args.iters)
     print(json.dumps(report, indent=1) if args.json else format_report(report))
