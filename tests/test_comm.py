@@ -266,8 +266,22 @@ def test_tune_cli_writes_a_table_the_communicator_uses(tmp_path):
     assert [m["tokens"] for m in entry["measurements"]] == [1, 64]
     assert "torch" in entry["measurements"][0]["us"]
     assert "world size 2" in proc.stdout
+    assert proc.stdout.splitlines()[1].startswith("expected duration: about ")  # up front, before any rank runs
+    assert "world size 2: 100%" in proc.stderr and "2/2" in proc.stderr  # the progress bar: 1 algorithm x 2 sizes
     table = selection.load_table(path, selection.machine_fingerprint(torch.device("cpu")), 2)
     assert "tuned threshold no upper bound -> torch" in choose(4096, 2, {"torch": None}, table).reason
+
+
+def test_tune_and_topo_options_all_have_help_and_tune_estimates_its_duration():
+    from spec_kernels.comm import topo, tune
+
+    for module in (tune, topo):
+        options = [a for a in module.parser()._actions if a.option_strings]
+        assert options and all(a.help for a in options), [a.dest for a in options if not a.help]
+    est = lambda device, worlds, iters: tune.estimate_seconds(device, worlds, 7168, "bfloat16",  # noqa: E731
+                                                              list(tune.DEFAULT_TOKENS), iters, 5)
+    assert 0 < est("cuda", [2], 10) < est("cuda", [2], 50) < est("cuda", [2, 4, 8], 50)
+    assert est("cpu", [2], 50) < est("cpu", [4], 50)  # CPU ranks share the cores
 
 
 def test_topo_cli_without_gpus():

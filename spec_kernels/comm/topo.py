@@ -317,14 +317,18 @@ def format_report(report: dict) -> str:
     return "\n".join(lines)
 
 
-def main(argv: Optional[list[str]] = None) -> int:
+def parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="python -m spec_kernels.comm.topo", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--json", action="store_true", help="print the report as JSON")
     ap.add_argument("--no-probe", action="store_true", help="static information only, no kernels")
     ap.add_argument("--size-mb", type=int, default=64, help="bandwidth probe buffer per pair, MiB (default 64)")
     ap.add_argument("--iters", type=int, default=10, help="timed copies per bandwidth figure (default 10)")
-    args = ap.parse_args(argv)
+    return ap
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    args = parser().parse_args(argv)
     report = build_report(probe=not args.no_probe, size_mb=args.size_mb, iters=args.iters)
     print(json.dumps(report, indent=1) if args.json else format_report(report))
     return 0
