@@ -1,18 +1,18 @@
 #!/usr/bin/env bash
 # scripts/device_versions_check.sh [VENV]: the CPU test suite under the GPU machine's versions.
 #
-# The H200 machine runs Python 3.12, torch 2.11.0, triton 3.6.0 and NumPy 2.5 (the device tool's
-# KINDS.md); CI and the development machines run the project's pins (Python 3.11, torch 2.14.1,
-# triton 3.8). A GPU run is scarce (15 minutes, in few tasks), so check here, before it, that the
-# extension builds against torch 2.11 and that nothing breaks on the older torch / triton. (It
-# found one: Triton 3.6's interpreter with NumPy 2.5, see spec_kernels/_triton_compat.py.)
+# The H200 server the GPU checks run on has Python 3.12, torch 2.11.0, triton 3.6.0 and NumPy 2.5;
+# CI and development use the project's pins (Python 3.11, torch 2.14.1, triton 3.8). Run this on
+# any machine, GPU or not, before a GPU run: it checks that the extension builds against torch
+# 2.11 and that nothing breaks on the older torch / triton, so a GPU run is not lost to a version
+# break. (It found one: Triton 3.6's interpreter with NumPy 2.5, see spec_kernels/_triton_compat.py.)
 #
 # What it does: a Python 3.12 venv (VENV, default /tmp/spec-kernels-device-venv, reused when it
 # exists) with torch 2.11.0 from PyPI installed without its CUDA wheels (the CUDA libraries of the
 # system's torch are put on LD_LIBRARY_PATH instead: about 0.7 GB of downloads, once); a copy of
 # this working tree (tracked and untracked, not ignored, files) built the way scripts/gpu_check.sh
 # builds it; then `pytest` and `pytest benchmarks/ --benchmark-only` there. SGLang is not
-# installed in the venv (0.5.23 pins torch 2.14.1; the device has none either): its tests skip.
+# installed in the venv (0.5.23 pins torch 2.14.1; the GPU server has none either): its tests skip.
 # Exit status: non-zero when the set-up, the build or a test fails. About 5 minutes on 2 cores
 # after the first set-up.
 set -euo pipefail
@@ -55,7 +55,7 @@ MAX_JOBS=${MAX_JOBS:-2} "$VENV/bin/python" -m pip install -q --no-build-isolatio
   > build.log 2>&1 || { tail -40 build.log; exit 1; }
 "$VENV/bin/python" -m spec_kernels.info | grep -E "^CUDA extension" || true
 
-# SGLang's Triton extend attention (the tree-verify anchor) from staged sources, as on the device.
+# SGLang's Triton extend attention (the tree-verify anchor) from staged sources, as gpu_check.sh uses it.
 if python3 benchmarks/_sglang_kernels.py stage .sglang_src > /dev/null 2>&1; then
   export SPEC_KERNELS_SGLANG_SRC="$WORK/.sglang_src"
 fi

@@ -2,7 +2,7 @@
 
     python scripts/save_gpu_results.py gpu_check.tar.gz [--gpu h200] [--date YYYY-MM-DD] [--dry-run]
 
-The argument is the archive `scripts/gpu_check.sh OUTDIR ARCHIVE` wrote on the device machine
+The argument is the archive `scripts/gpu_check.sh OUTDIR ARCHIVE` wrote on the GPU machine
 (or the OUTDIR itself). It copies, unchanged, every benchmark JSON as `<date>-<module>.json`,
 `summary.txt` as `<date>-summary.txt` and the decode-step plots as `<date>-decode_step-*.png`;
 test logs stay out (the summary lists failures). `<gpu>` comes from the device name the JSON

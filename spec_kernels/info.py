@@ -2,6 +2,7 @@
 implementation each op will use on each device."""
 from __future__ import annotations
 
+import argparse
 import platform
 
 import torch
@@ -52,9 +53,16 @@ def report() -> str:
     return "\n".join(lines)
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> int:
+    argparse.ArgumentParser(
+        prog="python -m spec_kernels.info",
+        description="Print the spec-kernels, torch, CUDA and Triton versions, the GPU archs compiled into the "
+                    "CUDA extension (or why it is not loaded), the visible GPUs, and which implementation "
+                    "(cuda, triton or reference) each op will use on CPU and on GPU 0, with the reason "
+                    "each faster one cannot run. Takes no options.").parse_args(argv)
     print(report())
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    raise SystemExit(main())
