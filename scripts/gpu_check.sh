@@ -63,7 +63,8 @@ except Exception as exc:
     print(f"torch does not import: {exc}")
     sys.exit(1)
 if not torch.cuda.is_available():
-    print("torch.cuda.is_available() is False" + ("" if torch.version.cuda else f"; torch {torch.__version__} has no CUDA"))
+    no_cuda = "" if torch.version.cuda else f"; torch {torch.__version__} has no CUDA"
+    print("torch.cuda.is_available() is False" + no_cuda)
     sys.exit(1)
 ' 2> /dev/null); then
   why=${why:-the torch check failed or timed out}

@@ -186,8 +186,9 @@ def parser() -> argparse.ArgumentParser:
                          f"(default {','.join(map(str, DEFAULT_TOKENS))})")
     ap.add_argument("--iters", type=int, default=50, help="timed calls per algorithm and size (default 50)")
     ap.add_argument("--warmup", type=int, default=5, help="untimed calls before them (default 5)")
-    ap.add_argument("--timeout", type=float, default=60.0, help="seconds a rank waits for the others before it raises (the communicators' "
-                                                            "timeout_s; default 60)")
+    ap.add_argument("--timeout", type=float, default=60.0,
+                    help="seconds a rank waits for the others before it raises (the communicators' timeout_s; "
+                         "default 60)")
     ap.add_argument("--out", default=None, help=f"tuning file (default ${selection.TUNING_ENV} or "
                                                 f"{selection.DEFAULT_TUNING_PATH})")
     return ap
