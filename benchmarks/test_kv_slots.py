@@ -105,13 +105,14 @@ def accept_tensors(paths: list[list[int]], width: int) -> tuple[torch.Tensor, to
     return acc, torch.tensor([len(p) for p in paths], dtype=torch.int64)
 
 
-def admit(req_to_token, rows: list[int], lengths: list[int], free_pages, num_free, page_size: int) -> None:
+def admit(req_to_token, rows: list[int], lengths: list[int], free_pages, num_free, page_state,
+          page_size: int) -> None:
     """New requests' prompts get slots (the reference allocator takes any count)."""
     out = torch.empty(sum(lengths), dtype=torch.int64)
     status = torch.empty(reference.STATUS_LEN, dtype=torch.int64)
     reference.alloc_draft_slots(req_to_token, torch.tensor(rows), torch.zeros(len(rows), dtype=torch.int64),
-                                torch.tensor(lengths), free_pages, num_free, page_size, req_to_token.shape[1],
-                                out, status)
+                                torch.tensor(lengths), free_pages, num_free, page_state, page_size,
+                                req_to_token.shape[1], out, status)
     assert status[0].item() == reference.STATUS_OK, status
 
 
@@ -123,7 +124,7 @@ class Batch:
     accept_index: torch.Tensor
     accept_len: torch.Tensor
     kv: list[torch.Tensor]
-    pre_alloc: list[torch.Tensor]  # req_to_token, free_pages, num_free
+    pre_alloc: list[torch.Tensor]  # req_to_token, free_pages, num_free, page_state
 
 
 _BATCHES: dict[tuple, Batch] = {}
@@ -152,20 +153,24 @@ def batch_for(B: int, n: int, page_size: int) -> Batch:
         rtt = torch.full((B, PROMPT_LENS[1] + 64), -1, dtype=torch.int32)
         free = torch.tensor(rng.sample(range(pages), pages), dtype=torch.int64)
         num_free = torch.tensor([pages], dtype=torch.int64)
-        admit(rtt, list(range(B)), lens, free, num_free, page_size)
+        page_state = spec_kernels.kv_slots.page_state_from_free_stack(free, num_free)
+        admit(rtt, list(range(B)), lens, free, num_free, page_state, page_size)
         acc, acc_len = accept_tensors([random_path(rng, n) for _ in range(B)], n)
         kv = kv_pool(page_size, pages * page_size)
-        state = [t.to(DEVICE) for t in (rtt, free, num_free)]
+        state = [t.to(DEVICE) for t in (rtt, free, num_free, page_state)]
         args = dict(req_to_token=state[0], req_pool_indices=torch.arange(B, device=DEVICE),
                     seq_lens=torch.tensor(lens, device=DEVICE), num_draft=torch.full((B,), n, device=DEVICE),
-                    free_pages=state[1], num_free=state[2], page_size=page_size)
+                    free_pages=state[1], num_free=state[2], page_state=state[3], page_size=page_size)
         _BATCHES[key] = Batch(args, acc.to(DEVICE), acc_len.to(DEVICE), kv, [t.clone() for t in state])
     return _BATCHES[key]
 
 
+STATE_KEYS = ("req_to_token", "free_pages", "num_free", "page_state")
+
+
 def _restore(batch: Batch, saved: list[torch.Tensor]) -> None:
-    for dst, src in zip((batch.args["req_to_token"], batch.args["free_pages"], batch.args["num_free"]), saved):
-        dst.copy_(src)
+    for key, src in zip(STATE_KEYS, saved):
+        batch.args[key].copy_(src)
 
 
 def _alloc(batch: Batch, impl: str) -> torch.Tensor:
@@ -209,7 +214,7 @@ def _time(benchmark, tables, op: str, impl: str, B: int, n: int, page_size: int)
     else:
         _restore(batch, batch.pre_alloc)
         _alloc(batch, impl)
-        saved = [t.clone() for t in (batch.args["req_to_token"], batch.args["free_pages"], batch.args["num_free"])]
+        saved = [batch.args[key].clone() for key in STATE_KEYS]
         run = lambda: _commit(batch, impl)  # noqa: E731
 
     def target():
@@ -262,13 +267,14 @@ def simulate_slots_held(B: int, steps: int, topk: int, n: int, page_size: int, n
     rtt = torch.full((B, max_context), -1, dtype=torch.int32)
     free = torch.tensor(rng.sample(range(pages), pages), dtype=torch.int64)
     num_free = torch.tensor([pages], dtype=torch.int64)
+    state = spec_kernels.kv_slots.page_state_from_free_stack(free, num_free)
     lens = [rng.randint(100, 2000) for _ in range(B)]
     budget = [rng.randint(64, 1024) for _ in range(B)]  # output tokens before each request finishes
-    admit(rtt, list(range(B)), lens, free, num_free, page_size)
+    admit(rtt, list(range(B)), lens, free, num_free, state, page_size)
     rows = []
     for _ in range(num_steps):
         seq, counts = torch.tensor(lens), torch.full((B,), n)
-        spec_kernels.alloc_draft_slots(rtt, torch.arange(B), seq, counts, free, num_free, page_size,
+        spec_kernels.alloc_draft_slots(rtt, torch.arange(B), seq, counts, free, num_free, state, page_size,
                                        impl="reference")
         ours = (pages - int(num_free.item())) * page_size  # the peak: drafts allocated, before commit
         theirs = sum(sglang_reserved(L, steps, topk, n, page_size) for L in lens)
@@ -277,7 +283,7 @@ def simulate_slots_held(B: int, steps: int, topk: int, n: int, page_size: int, n
         paths = [random_path(rng, n)[:steps + 1] for _ in range(B)]
         acc, acc_len = accept_tensors(paths, n)
         lens = spec_kernels.commit_draft_slots(rtt, torch.arange(B), seq, counts, acc, acc_len, free, num_free,
-                                               page_size, impl="reference", kv_buffers=None if page_size == 1 else
+                                               state, page_size, impl="reference", kv_buffers=None if page_size == 1 else
                                                [torch.zeros(pages * page_size, 1)]).tolist()
         for b in range(B):
             budget[b] -= len(paths[b])
@@ -286,8 +292,9 @@ def simulate_slots_held(B: int, steps: int, topk: int, n: int, page_size: int, n
                 top = int(num_free.item())
                 free[top:top + held.numel()] = held
                 num_free += held.numel()
+                state[held] = spec_kernels.kv_slots.PAGE_FREE  # pages pushed by the caller: free
                 lens[b], budget[b] = rng.randint(100, 2000), rng.randint(64, 1024)
-                admit(rtt, [b], [lens[b]], free, num_free, page_size)
+                admit(rtt, [b], [lens[b]], free, num_free, state, page_size)
     return rows
 
 

@@ -23,53 +23,62 @@ def t64(values):
 
 # --------------------------------------------------------------------------- worked examples
 def _fresh(page_size, pages=8, rows=3, context=16):
-    """Stack [7, 6, ..., 0] (page 0 on top), req_to_token all -1."""
-    return (torch.full((rows, context), -1, dtype=torch.int32), t64(list(range(pages - 1, -1, -1))), t64([pages]))
+    """Stack [7, 6, ..., 0] (page 0 on top), req_to_token all -1, every page free."""
+    free, num_free = t64(list(range(pages - 1, -1, -1))), t64([pages])
+    return (torch.full((rows, context), -1, dtype=torch.int32), free, num_free,
+            spec_kernels.kv_slots.page_state_from_free_stack(free, num_free))
 
 
 @pytest.mark.parametrize("impl", IMPLS)
 def test_alloc_worked_example(impl):
-    rtt, free, num_free = _fresh(4)
+    rtt, free, num_free, state = _fresh(4)
     rtt[2, :6] = torch.tensor([8, 9, 10, 11, 20, 21], dtype=torch.int32)  # row 2 holds pages 2 and 5, page 5 half full
     free[:] = t64([7, 6, 4, 3, 1, 0, 2, 5])
     num_free[0] = 6  # free pages: 7 6 4 3 1 [0 on top]
-    loc = spec_kernels.alloc_draft_slots(rtt, t64([2, 0]), t64([6, 0]), t64([3, 5]), free, num_free, 4, impl=impl)
+    state = spec_kernels.kv_slots.page_state_from_free_stack(free, num_free)
+    assert state.tolist() == [0, 0, 1, 0, 0, 1, 0, 0]  # pages 2 and 5 are held
+    loc = spec_kernels.alloc_draft_slots(rtt, t64([2, 0]), t64([6, 0]), t64([3, 5]), free, num_free, state, 4,
+                                         impl=impl)
     # row 2: positions 6, 7 fill page 5, position 8 starts a page from the top (0); row 0: pages 1 then 3.
     assert loc.tolist() == [22, 23, 0, 4, 5, 6, 7, 12]
     assert rtt[2, 6:9].tolist() == [22, 23, 0] and rtt[0, :5].tolist() == [4, 5, 6, 7, 12]
     assert num_free.item() == 3 and free.tolist() == [7, 6, 4, 3, 1, 0, 2, 5]  # popped pages stay in place
+    assert state.tolist() == [1, 1, 1, 1, 0, 1, 0, 0]  # popped 0, 1, 3: held
 
 
 @pytest.mark.parametrize("impl", IMPLS)
 def test_commit_worked_example_page_size_1_remaps_and_copies_no_kv(impl):
-    rtt, free, num_free = _fresh(1)
+    rtt, free, num_free, state = _fresh(1)
     L, n = t64([2, 0]), t64([4, 3])
-    loc = spec_kernels.alloc_draft_slots(rtt, t64([0, 1]), L, n, free, num_free, 1, impl=impl)
+    loc = spec_kernels.alloc_draft_slots(rtt, t64([0, 1]), L, n, free, num_free, state, 1, impl=impl)
     assert loc.tolist() == [0, 1, 2, 3, 4, 5, 6] and num_free.item() == 1
+    assert state.tolist() == [1] * 7 + [0]
     kv = torch.arange(8.0)[:, None].repeat(1, 2)
     new = spec_kernels.commit_draft_slots(rtt, t64([0, 1]), L, n, t64([[1, 3, -1], [0, -1, -1]]), t64([2, 1]),
-                                          free, num_free, 1, kv_buffers=[kv], impl=impl)
+                                          free, num_free, state, 1, kv_buffers=[kv], impl=impl)
     assert new.tolist() == [4, 1]
     assert rtt[0, 2:4].tolist() == [1, 3] and rtt[1, :1].tolist() == [4]  # remapped, in path order
     assert num_free.item() == 5 and free[1:5].tolist() == [0, 2, 5, 6]  # rejected: drafts 0, 2 of row 0, 1, 2 of row 1
+    assert state.tolist() == [0, 1, 0, 1, 1, 0, 0, 0]  # slots 1, 3, 4 stay held, the rejected ones are free
     assert torch.equal(kv, torch.arange(8.0)[:, None].repeat(1, 2))  # page size 1: no KV moves
 
 
 @pytest.mark.parametrize("impl", IMPLS)
 def test_commit_worked_example_page_size_4_moves_kv_rows(impl):
-    rtt, free, num_free = _fresh(4)
-    spec_kernels.alloc_draft_slots(rtt, t64([1]), t64([0]), t64([3]), free, num_free, 4, impl=impl)  # prefix: page 0
-    loc = spec_kernels.alloc_draft_slots(rtt, t64([1]), t64([3]), t64([6]), free, num_free, 4, impl=impl)
+    rtt, free, num_free, state = _fresh(4)
+    spec_kernels.alloc_draft_slots(rtt, t64([1]), t64([0]), t64([3]), free, num_free, state, 4, impl=impl)  # page 0
+    loc = spec_kernels.alloc_draft_slots(rtt, t64([1]), t64([3]), t64([6]), free, num_free, state, 4, impl=impl)
     assert loc.tolist() == [3, 4, 5, 6, 7, 8]  # slot 3 on page 0, then pages 1 and 2
     k = torch.arange(32.0)[:, None] * torch.tensor([1.0, -1.0])
     v = torch.arange(32, dtype=torch.int16)[:, None].repeat(1, 3)
     new = spec_kernels.commit_draft_slots(rtt, t64([1]), t64([3]), t64([6]), t64([[0, 2, 3]]), t64([3]),
-                                          free, num_free, 4, kv_buffers=[k, v], impl=impl)
+                                          free, num_free, state, 4, kv_buffers=[k, v], impl=impl)
     assert new.tolist() == [6]
     # drafts 0, 2, 3 (slots 3, 5, 6) now at positions 3, 4, 5 (slots 3, 4, 5); page 2 (positions 8+) is freed
     assert k[3:7, 0].tolist() == [3.0, 5.0, 6.0, 6.0] and v[3:7, 0].tolist() == [3, 5, 6, 6]
     assert rtt[1, :6].tolist() == [0, 1, 2, 3, 4, 5]
     assert num_free.item() == 6 and free[5].item() == 2
+    assert state.tolist() == [1, 1, 0, 0, 0, 0, 0, 0]  # pages 0 and 1 hold positions 0..5
 
 
 CPU_LOCKSTEP = [("reference", "cpu"), ("triton", "cpu")]
@@ -110,8 +119,8 @@ def test_more_kv_buffers_of_any_layout():
 
 
 def test_total_draft():
-    rtt, free, num_free = _fresh(1)
-    loc = spec_kernels.alloc_draft_slots(rtt, t64([0]), t64([0]), t64([2]), free, num_free, 1, total_draft=5,
+    rtt, free, num_free, state = _fresh(1)
+    loc = spec_kernels.alloc_draft_slots(rtt, t64([0]), t64([0]), t64([2]), free, num_free, state, 1, total_draft=5,
                                          check_free=False)
     assert loc.tolist() == [0, 1, -1, -1, -1]  # a padded batch's tail
 
@@ -125,7 +134,8 @@ def make_args(page_size=4, after_alloc=False, impl="reference"):
     sim.admit([1, 3, 4], [5, 0, 9])
     st_ = sim.states[0]
     args = dict(req_to_token=st_.req_to_token, req_pool_indices=t64([4, 1, 3]), seq_lens=t64([9, 5, 0]),
-                num_draft=t64([3, 0, 5]), free_pages=st_.free_pages, num_free=st_.num_free, page_size=page_size)
+                num_draft=t64([3, 0, 5]), free_pages=st_.free_pages, num_free=st_.num_free, page_state=st_.page_state,
+                page_size=page_size)
     if after_alloc:
         spec_kernels.alloc_draft_slots(**args, max_draft=8)
         for t in st_.kv:  # every row different, so that any KV row moved shows
@@ -157,7 +167,8 @@ def _on(device, args):
 
 def _state(args):
     kv = args.get("kv_buffers")
-    tensors = [args[k] for k in ("req_to_token", "free_pages", "num_free")] + (kv if isinstance(kv, list) else [])
+    tensors = ([args[k] for k in ("req_to_token", "free_pages", "num_free", "page_state")]
+               + (kv if isinstance(kv, list) else []))
     return [t.clone() for t in tensors if isinstance(t, torch.Tensor)]
 
 
@@ -167,12 +178,18 @@ ALLOC_BAD = [
     ("req_to_token", lambda t: t.float(), ValueError, "req_to_token must have dtype int32, int64"),
     ("req_to_token", lambda t: t[0], ValueError, "req_to_token must be 2-D"),
     ("req_to_token", lambda t: t.t().contiguous().t(), ValueError, "req_to_token must be contiguous"),
+    # req_to_token alone elsewhere (meta stands in for another device): it is the one named
+    ("req_to_token", lambda t: t.to("meta"), ValueError, "req_to_token must be on cpu like the other inputs, got meta"),
     ("req_pool_indices", lambda t: t.to("meta"), ValueError, "req_pool_indices must be on cpu"),
     ("req_pool_indices", lambda t: t.float(), ValueError, "req_pool_indices must have dtype int32, int64"),
     ("seq_lens", lambda t: t[:2], ValueError, r"seq_lens must have shape \(3,\)"),
     ("num_draft", lambda t: t.to(torch.int16), ValueError, "num_draft must have dtype int32, int64"),
     ("free_pages", lambda t: t.int(), ValueError, "free_pages must have dtype int64"),
     ("num_free", lambda t: t.repeat(2), ValueError, r"num_free must have shape \(1,\)"),
+    ("page_state", lambda t: t.tolist(), TypeError, "page_state must be a torch.Tensor"),
+    ("page_state", lambda t: t.long(), ValueError, "page_state must have dtype int32"),
+    ("page_state", lambda t: t[:-1], ValueError, r"page_state must have shape \(40,\) \(one entry per page"),
+    ("page_state", lambda t: t.to("meta"), ValueError, "page_state must be on cpu"),
     ("page_size", lambda p: 3, ValueError, "page_size must be a power of two >= 1, got 3"),
     ("page_size", lambda p: 0, ValueError, "page_size must be a power of two >= 1, got 0"),
     ("page_size", lambda p: 4.0, TypeError, "page_size must be an int"),
@@ -265,6 +282,115 @@ KERNEL_REFUSALS = [
 ]
 
 
+# --------------------------------------------------------------------------- page state
+def _page_of(a, row, pos):
+    return int(a["req_to_token"][row, pos]) // a["page_size"]
+
+
+def _last_page_free(a):  # request 0 (row 4, length 9) continues the page of its position 8
+    a["page_state"][_page_of(a, 4, 8)] = reference.PAGE_FREE
+
+
+def _top_page_held(a):
+    a["page_state"][int(a["free_pages"][int(a["num_free"]) - 1])] = reference.PAGE_HELD
+
+
+def _top_page_twice(a):  # the batch pops 2 pages: the same one twice
+    top = int(a["num_free"])
+    a["free_pages"][top - 2] = a["free_pages"][top - 1]
+
+
+def _top_page_outside(a):
+    a["free_pages"][int(a["num_free"]) - 1] = a["free_pages"].numel()
+
+
+def _two_continue_one_page(a):  # request 1 (row 1, length 5) gets a draft, on request 0's last page
+    a["num_draft"][1] = 1
+    a["req_to_token"][1, 4] = a["req_to_token"][4, 8]
+
+
+def _draft_page_free(a):  # request 2 (row 3, drafts at positions 0..4): its second page
+    a["page_state"][_page_of(a, 3, 4)] = reference.PAGE_FREE
+
+
+def _draft_pages_shared(a):  # request 2's position 4 on request 0's page: released by 2, kept by 0
+    a["req_to_token"][3, 4] = a["req_to_token"][4, 8]
+
+
+def _draft_slot_twice(a):  # page size 1: drafts 0 and 2 of request 2 on one slot
+    a["req_to_token"][3, 2] = a["req_to_token"][3, 0]
+
+
+# (op, page size, spoil the args in place, exception, message, status code)
+PAGE_STATE_REFUSALS = [
+    ("alloc", 4, _last_page_free, ValueError, r"the last slot of request 0\) is on page \d+, which is not held",
+     reference.STATUS_BAD_REQUEST),
+    ("alloc", 4, _top_page_held, ValueError, r"a page this call would pop, is not free", reference.STATUS_PAGE_CONFLICT),
+    ("alloc", 1, _top_page_held, ValueError, r"a page this call would pop, is not free", reference.STATUS_PAGE_CONFLICT),
+    ("alloc", 4, _top_page_twice, ValueError, r"page \d+ is twice in the part of the free stack this call pops",
+     reference.STATUS_PAGE_CONFLICT),
+    ("alloc", 4, _top_page_outside, ValueError, r"a page this call would pop, is not a page of the pool",
+     reference.STATUS_PAGE_CONFLICT),
+    ("alloc", 4, _two_continue_one_page, ValueError, r"requests 0 and 1 both continue page",
+     reference.STATUS_PAGE_CONFLICT),
+    ("commit", 4, _draft_page_free, ValueError, r"\(draft 4 of request 2\) is on page \d+, which is not held",
+     reference.STATUS_BAD_REQUEST),
+    ("commit", 1, _draft_page_free, ValueError, r"\(draft 4 of request 2\) is on page \d+, which is not held",
+     reference.STATUS_BAD_REQUEST),
+    ("commit", 4, _draft_pages_shared, ValueError,
+     r"holds the drafts of position 9 of request 0 and position 4 of request 2", reference.STATUS_PAGE_CONFLICT),
+    ("commit", 1, _draft_slot_twice, ValueError, r"holds the drafts of positions 0 and 2 of request 2",
+     reference.STATUS_PAGE_CONFLICT),
+]
+PAGE_STATE_IDS = [f"{op}-page{p}-{fn.__name__[1:]}" for op, p, fn, *_ in PAGE_STATE_REFUSALS]
+
+
+def _page_state_case(op, page_size, spoil, device="cpu"):
+    args = make_args(page_size=page_size, after_alloc=op == "commit")
+    args = {k: v.clone() if isinstance(v, torch.Tensor) else [t.clone() for t in v] if isinstance(v, list) else v
+            for k, v in args.items()}
+    spoil(args)
+    return _on(device, args)
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("op,page_size,spoil,exc,match,code", PAGE_STATE_REFUSALS, ids=PAGE_STATE_IDS)
+def test_page_state_refusals_change_nothing(impl, op, page_size, spoil, exc, match, code):
+    """The public functions (host checks) raise; the kernels alone (custom op, no host checks)
+    refuse with the reference's status; either way every tensor is left byte for byte as it was."""
+    args = _page_state_case(op, page_size, spoil)
+    before = _state(args)
+    with pytest.raises(exc, match=match):
+        _call(op, args, impl, **({"max_draft": 8} if op == "alloc" else {}))
+    assert all(torch.equal(x, y) for x, y in zip(before, _state(args)))
+    check_page_state_refusal(op, page_size, spoil, code, impl, "cpu")
+
+
+def check_page_state_refusal(op, page_size, spoil, code, impl, device):
+    args = _page_state_case(op, page_size, spoil, device)
+    verdict = _expected_refusal(op, args, 16)
+    assert verdict.code == code, verdict
+    before = _state(args)
+    status, out = run_op(op, args, impl, total_draft=16)
+    assert status.tolist() == verdict.as_list(), f"{impl}: status {status.tolist()} != {verdict}"
+    for x, y in zip(before, _state(args)):
+        assert torch.equal(x.cpu(), y.cpu()), f"{impl} changed the state when refusing"
+    expect = torch.full_like(out, -1) if op == "alloc" else args["seq_lens"].cpu()
+    assert torch.equal(out, expect)
+
+
+def test_page_state_from_free_stack():
+    free, num_free = t64([5, 0, 3, 1, 9, 9]), t64([4])  # entries beyond num_free are ignored
+    state = spec_kernels.kv_slots.page_state_from_free_stack(free, num_free)
+    assert state.dtype == torch.int32 and state.tolist() == [0, 0, 1, 0, 1, 0]
+    with pytest.raises(ValueError, match="holds page 1 2 times"):
+        spec_kernels.kv_slots.page_state_from_free_stack(t64([1, 1, 0]), t64([3]))
+    with pytest.raises(ValueError, match=r"must be page ids in \[0, 3\), got range \[1, 3\]"):
+        spec_kernels.kv_slots.page_state_from_free_stack(t64([3, 2, 1]), t64([3]))
+    with pytest.raises(ValueError, match="num_free = 4 must be in"):
+        spec_kernels.kv_slots.page_state_from_free_stack(t64([0, 1, 2]), t64([4]))
+
+
 def run_op(op, args, impl, total_draft=8, max_draft=8):
     """The custom op without host checks; returns (status, output)."""
     a = args
@@ -273,13 +399,13 @@ def run_op(op, args, impl, total_draft=8, max_draft=8):
     common = (a["req_to_token"], a["req_pool_indices"], a["seq_lens"], a["num_draft"])
     if op == "alloc":
         out = torch.full((total_draft,), -9, dtype=torch.int64, device=dev)
-        torch.ops.spec_kernels.alloc_draft_slots(*common, a["free_pages"], a["num_free"], a["page_size"], max_draft,
-                                                 out, status, impl)
+        torch.ops.spec_kernels.alloc_draft_slots(*common, a["free_pages"], a["num_free"], a["page_state"],
+                                                 a["page_size"], max_draft, out, status, impl)
     else:
         out = torch.full_like(a["seq_lens"], -9)
         torch.ops.spec_kernels.commit_draft_slots(*common, a["accept_index"], a["accept_len"], a["free_pages"],
-                                                  a["num_free"], a["page_size"], max_draft, a["kv_buffers"], out,
-                                                  status, impl)
+                                                  a["num_free"], a["page_state"], a["page_size"], max_draft,
+                                                  a["kv_buffers"], out, status, impl)
     return status.cpu(), out.cpu()
 
 
@@ -300,9 +426,10 @@ def _expected_refusal(op, args, total):
            for k, v in args.items()}
     common = [cpu[k] for k in ("req_to_token", "req_pool_indices", "seq_lens", "num_draft")]
     if op == "alloc":
-        return reference.alloc_verdict(*common, cpu["free_pages"], cpu["num_free"], cpu["page_size"], 8, total)
+        return reference.alloc_verdict(*common, cpu["free_pages"], cpu["num_free"], cpu["page_state"],
+                                       cpu["page_size"], 8, total)
     return reference.commit_verdict(*common, cpu["accept_index"], cpu["accept_len"], cpu["free_pages"],
-                                    cpu["num_free"], cpu["page_size"], 8, cpu["kv_buffers"])
+                                    cpu["num_free"], cpu["page_state"], cpu["page_size"], 8, cpu["kv_buffers"])
 
 
 def check_refusal(op, name, make_bad, impl, device):
@@ -380,18 +507,18 @@ def test_meta_tensors_and_compile_need_total_draft():
 
 
 def test_torch_compile_fullgraph_matches_eager():
-    def step(rtt, rpi, lens, counts, free, num_free, acc, acc_len, k, v):
-        loc = spec_kernels.alloc_draft_slots(rtt, rpi, lens, counts, free, num_free, 4, total_draft=8,
+    def step(rtt, rpi, lens, counts, free, num_free, state, acc, acc_len, k, v):
+        loc = spec_kernels.alloc_draft_slots(rtt, rpi, lens, counts, free, num_free, state, 4, total_draft=8,
                                              check_free=False, impl="reference")
         k[loc] = loc[:, None, None].float()
-        return loc, spec_kernels.commit_draft_slots(rtt, rpi, lens, counts, acc, acc_len, free, num_free, 4,
+        return loc, spec_kernels.commit_draft_slots(rtt, rpi, lens, counts, acc, acc_len, free, num_free, state, 4,
                                                     kv_buffers=[k, v], impl="reference")
 
     def inputs():
         a = make_args()
         st_kv = make_args(after_alloc=True)["kv_buffers"]
         return [a["req_to_token"], a["req_pool_indices"], a["seq_lens"], a["num_draft"], a["free_pages"],
-                a["num_free"], t64([[0, 2, -1], [-1, -1, -1], [1, 3, 4]]), t64([2, 0, 3]), *st_kv]
+                a["num_free"], a["page_state"], t64([[0, 2, -1], [-1, -1, -1], [1, 3, 4]]), t64([2, 0, 3]), *st_kv]
 
     eager_in, compiled_in = inputs(), inputs()
     eager = step(*eager_in)
@@ -428,7 +555,7 @@ def _hand_off_commit(move_sync, tag, device="cpu", impl="triton", num_shares=1, 
     status = torch.full((reference.STATUS_LEN,), -9, dtype=torch.int64, device=device)
     new = torch.full_like(a["seq_lens"], -9)
     common = (a["req_to_token"], a["req_pool_indices"], a["seq_lens"], a["num_draft"], a["accept_index"],
-              a["accept_len"], a["free_pages"], a["num_free"], a["page_size"], 8)
+              a["accept_len"], a["free_pages"], a["num_free"], a["page_state"], a["page_size"], 8)
     table = kv_table(a["kv_buffers"])
     if impl == "triton":
         triton_kernel.commit_draft_slots(*common, table, new, status, num_shares, move_sync, tag)
@@ -443,8 +570,8 @@ def _expected_commit():
     status = torch.full((reference.STATUS_LEN,), -9, dtype=torch.int64)
     new = torch.full_like(a["seq_lens"], -9)
     reference.commit_draft_slots(a["req_to_token"], a["req_pool_indices"], a["seq_lens"], a["num_draft"],
-                                 a["accept_index"], a["accept_len"], a["free_pages"], a["num_free"], a["page_size"],
-                                 8, a["kv_buffers"], new, status)
+                                 a["accept_index"], a["accept_len"], a["free_pages"], a["num_free"], a["page_state"],
+                                 a["page_size"], 8, a["kv_buffers"], new, status)
     return status, new, a
 
 
@@ -463,7 +590,7 @@ def check_hand_off_scratch(device, impl):
             scratch = torch.tensor(fill, dtype=torch.int64, device=device)
             status, new, got = _hand_off_commit(scratch, tag, device, impl, shares)
             assert status.tolist() == want_status.tolist() and new.tolist() == want_new.tolist()
-            for name in ("req_to_token", "free_pages", "num_free"):
+            for name in ("req_to_token", "free_pages", "num_free", "page_state"):
                 assert torch.equal(got[name].cpu(), want[name]), name
             for x, y in zip(got["kv_buffers"], want["kv_buffers"]):
                 assert torch.equal(x.cpu(), y)
@@ -503,7 +630,8 @@ def check_empty_batch_with_kv_buffers(device, impls):
         before = _state(a)
         empty = torch.zeros(0, dtype=torch.int64, device=device)
         new = spec_kernels.commit_draft_slots(a["req_to_token"], empty, empty, empty, empty.reshape(0, 3), empty,
-                                              a["free_pages"], a["num_free"], 4, kv_buffers=a["kv_buffers"],
+                                              a["free_pages"], a["num_free"], a["page_state"], 4,
+                                              kv_buffers=a["kv_buffers"],
                                               impl=impl, check_status=True)
         assert new.numel() == 0
         for x, y in zip(before, _state(a)):
@@ -570,6 +698,13 @@ def test_gpu_kernels_refuse_bad_values_and_change_nothing(impl, op, name, make_b
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("impl", ["cuda", "triton"])
+@pytest.mark.parametrize("op,page_size,spoil,exc,match,code", PAGE_STATE_REFUSALS, ids=PAGE_STATE_IDS)
+def test_gpu_page_state_refusals_change_nothing(impl, op, page_size, spoil, exc, match, code):
+    check_page_state_refusal(op, page_size, spoil, code, impl, "cuda")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("impl", ["cuda", "triton"])
 def test_gpu_hand_off_scratch_needs_no_initialisation_and_is_zeroed_after(impl):
     check_hand_off_scratch("cuda", impl)
     check_refused_then_accepted_with_one_scratch_and_tag("cuda", impl)
@@ -602,15 +737,16 @@ def test_gpu_alloc_and_commit_capture_in_a_cuda_graph(impl, page_size):
 
     def step(state, rpi, seq, num, acc, acc_len, draft_values):
         loc = spec_kernels.alloc_draft_slots(state.req_to_token, rpi, seq, num, state.free_pages, state.num_free,
-                                             page_size, impl=state.impl, total_draft=sum(counts), check_free=False)
+                                             state.page_state, page_size, impl=state.impl, total_draft=sum(counts),
+                                             check_free=False)
         state.kv[0][loc] = draft_values[:, None, None]
         return loc, spec_kernels.commit_draft_slots(state.req_to_token, rpi, seq, num, acc, acc_len,
-                                                    state.free_pages, state.num_free, page_size,
+                                                    state.free_pages, state.num_free, state.page_state, page_size,
                                                     kv_buffers=state.kv, impl=state.impl)
 
     ref_outs = [[t.clone() for t in step(ref, *inputs, drafts)] for _ in range(2)]
     draft_values = drafts.to(dev)
-    scratch = type(gpu)(impl, *(t.clone() for t in (gpu.req_to_token, gpu.free_pages, gpu.num_free)),
+    scratch = type(gpu)(impl, *(t.clone() for t in (gpu.req_to_token, gpu.free_pages, gpu.num_free, gpu.page_state)),
                         [t.clone() for t in gpu.kv])
     step(scratch, *g_in, draft_values)  # warm-up: Triton compiles on its first call
     kv_table(gpu.kv)  # cached before capture (building it copies to the device)
@@ -641,7 +777,7 @@ for kernel, constexprs in [
                             BLOCK_N=64, BLOCK_A=64, BLOCK_Q=8, BLOCK_U=128)),
 ]:
     fn = getattr(triton_kernel, kernel)
-    pointers = {"RTT": "*i32", "ACC": "*i32", "tag": "i64"}  # int32 index tensors; other pointers int64
+    pointers = {"RTT": "*i32", "ACC": "*i32", "STATE": "*i32", "tag": "i64"}  # int32 tensors; other pointers int64
     signature = {n: "constexpr" if n in constexprs else pointers.get(n, "*i64" if n.isupper() and n != "B" else "i32")
                  for n in fn.arg_names}
     compiled = triton.compile(ASTSource(fn=fn, signature=signature, constexprs=constexprs),

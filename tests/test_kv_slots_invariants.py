@@ -9,15 +9,22 @@ satisfy:
 
 * no slot (page) is held by two positions (requests); a position sits at offset pos % P of its page;
 * held pages plus the free stack are exactly the pool: nothing leaked, nothing freed twice;
+* page_state says held for exactly the held pages and free for exactly the stack's;
 * every held position reads back the KV of the token the truth says is there.
+
+Adversarial sequences (the end of this file) replay commits, commit slots never allocated or
+already released, and corrupt the stack or req_to_token: every such call must be refused as a
+whole, leaving every tensor byte for byte as it was, and the invariants must still hold.
 
 The other kv_slots tests reuse Sim (tests/test_kv_slots.py).
 """
 from __future__ import annotations
 
+import contextlib
 import random
 from dataclasses import dataclass, field
 from typing import Optional
+from unittest import mock
 
 import pytest
 import torch
@@ -25,6 +32,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import spec_kernels
+from spec_kernels.kv_slots import api as kv_api
 from spec_kernels.kv_slots import reference
 from spec_kernels.kv_slots.reference import pages_spanned
 
@@ -82,16 +90,28 @@ class State:
     req_to_token: torch.Tensor
     free_pages: torch.Tensor
     num_free: torch.Tensor
+    page_state: torch.Tensor
     kv: list[torch.Tensor]
 
     def snapshot(self) -> list[torch.Tensor]:
-        return [t.detach().cpu().clone() for t in (self.req_to_token, self.free_pages, self.num_free, *self.kv)]
+        return [t.detach().cpu().clone()
+                for t in (self.req_to_token, self.free_pages, self.num_free, self.page_state, *self.kv)]
 
 
 def assert_same(a: list[torch.Tensor], b: list[torch.Tensor], what: str) -> None:
     for i, (x, y) in enumerate(zip(a, b)):
         x, y = x.cpu(), y.cpu()
         assert x.dtype == y.dtype and torch.equal(x, y), f"{what}: tensor {i} differs:\n{x}\n{y}"
+
+
+@dataclass
+class Pending:
+    """An alloc whose drafts are not committed yet: its arguments and out_cache_loc."""
+
+    rows: list[int]
+    lens: list[int]
+    counts: list[int]
+    loc: torch.Tensor
 
 
 @dataclass
@@ -109,6 +129,7 @@ class Sim:
     draw: Draw = field(default_factory=Draw)
     states: list[State] = field(init=False)
     tokens: dict[int, list[int]] = field(init=False, default_factory=dict)  # row -> token at each position
+    pending: dict[int, list[int]] = field(init=False, default_factory=dict)  # row -> drafts not committed
     next_token: int = field(init=False, default=1)
 
     def __post_init__(self):
@@ -119,6 +140,7 @@ class Sim:
                   torch.full((self.rows, self.max_context), -1, dtype=self.rtt_dtype, device=dev),
                   torch.tensor(order, dtype=torch.int64, device=dev),
                   torch.tensor([self.num_pages], dtype=torch.int64, device=dev),
+                  torch.full((self.num_pages,), reference.PAGE_FREE, dtype=torch.int32, device=dev),
                   [torch.zeros(slots, 2, 2, dtype=torch.float32, device=dev),
                    torch.zeros(slots, 3, dtype=torch.int16, device=dev)])
             for impl, dev in self.impls
@@ -157,14 +179,16 @@ class Sim:
             return False
         ids = self._new_tokens(sum(lengths))
         for st_ in self.states:
-            rtt, free, num_free = st_.req_to_token.cpu(), st_.free_pages.cpu(), st_.num_free.cpu()
+            rtt, free, num_free, state = (t.cpu() for t in (st_.req_to_token, st_.free_pages, st_.num_free,
+                                                             st_.page_state))
             out = torch.empty(sum(lengths), dtype=torch.int64)
             status = torch.empty(reference.STATUS_LEN, dtype=torch.int64)
             reference.alloc_draft_slots(rtt, torch.tensor(rows), torch.zeros(len(rows), dtype=torch.int64),
-                                        torch.tensor(lengths), free, num_free, self.page_size, self.max_context,
-                                        out, status)
+                                        torch.tensor(lengths), free, num_free, state, self.page_size,
+                                        self.max_context, out, status)
             assert status[0].item() == reference.STATUS_OK
-            for dst, src in ((st_.req_to_token, rtt), (st_.free_pages, free), (st_.num_free, num_free)):
+            for dst, src in ((st_.req_to_token, rtt), (st_.free_pages, free), (st_.num_free, num_free),
+                             (st_.page_state, state)):
                 dst.copy_(src)
             self._write_kv(st_, out.to(st_.req_to_token.device), ids)
         at = 0
@@ -181,26 +205,46 @@ class Sim:
             st_.kv += make(slots, st_.req_to_token.device)
 
     def finish(self, row: int) -> None:
-        """The request ends: push its pages (in position order) back onto the stack."""
+        """The request ends: push its pages (in position order) back onto the stack, and mark
+        them free (the caller keeps page_state when it moves pages itself)."""
         length = len(self.tokens.pop(row))
         for st_ in self.states:
             pages = (st_.req_to_token[row, :length:self.page_size].long() // self.page_size).tolist()
             top = int(st_.num_free.item())
             st_.free_pages[top:top + len(pages)] = torch.tensor(pages, dtype=torch.int64)
             st_.num_free += len(pages)
+            st_.page_state[torch.tensor(pages, dtype=torch.int64, device=st_.page_state.device)] = reference.PAGE_FREE
 
     # ------------------------------------------------------------------ one speculative step
-    def step(self, rows: list[int], counts: list[int], paths: list[list[int]],
-             kv_buffers: bool = True, check: bool = True) -> bool:
-        """alloc -> write the drafts' KV -> commit. Returns False if the pool was out of pages
-        (then every implementation must have refused and changed nothing)."""
+    def alloc_args(self, st_: State, rows: list[int], lens: list[int], counts: list[int]) -> tuple:
+        return (st_.req_to_token, self._index(rows, st_), self._index(lens, st_), self._index(counts, st_),
+                st_.free_pages, st_.num_free, st_.page_state, self.page_size)
+
+    def commit_call(self, st_: State, pending: "Pending", paths: list[list[int]], kv_buffers: bool = True,
+                    **kw) -> torch.Tensor:
+        width = max([len(p) for p in paths] + [1])
+        rows = pending.rows
+        acc = self._index([p + [-1] * (width - len(p)) for p in paths], st_).reshape(len(rows), width)
+        return spec_kernels.commit_draft_slots(
+            st_.req_to_token, self._index(rows, st_), self._index(pending.lens, st_),
+            self._index(pending.counts, st_), acc, self._index([len(p) for p in paths], st_), st_.free_pages,
+            st_.num_free, st_.page_state, self.page_size, kv_buffers=st_.kv if kv_buffers else None, impl=st_.impl,
+            max_draft=self.max_draft, **kw)
+
+    def held(self) -> dict[int, list[int]]:
+        """row -> the token at each position it holds now: committed, then drafts not yet committed."""
+        return {r: toks + self.pending.get(r, []) for r, toks in self.tokens.items()}
+
+    def alloc(self, rows: list[int], counts: list[int], check: bool = True) -> Optional["Pending"]:
+        """alloc -> write the drafts' KV. Returns None if the pool was out of pages (then every
+        implementation must have refused and changed nothing). Rows must have no pending drafts."""
+        assert not set(rows) & set(self.pending), "rows with drafts not yet committed"
         lens = [len(self.tokens[r]) for r in rows]
         enough = self.pages_needed(rows, counts) <= self.free_page_count()
         before = [st_.snapshot() for st_ in self.states]
         locs = []
         for st_ in self.states:
-            args = (st_.req_to_token, self._index(rows, st_), self._index(lens, st_), self._index(counts, st_),
-                    st_.free_pages, st_.num_free, self.page_size)
+            args = self.alloc_args(st_, rows, lens, counts)
             if not enough:
                 with pytest.raises(RuntimeError, match="out of KV pages"):
                     spec_kernels.alloc_draft_slots(*args, impl=st_.impl, max_draft=self.max_draft)
@@ -209,7 +253,7 @@ class Sim:
         if not enough:
             for st_, snap in zip(self.states, before):
                 assert_same(snap, st_.snapshot(), f"{st_.impl} changed state when out of pages")
-            return False
+            return None
         for loc in locs[1:]:
             assert_same([locs[0]], [loc], "out_cache_loc")
         self.assert_lockstep("after alloc")
@@ -217,28 +261,45 @@ class Sim:
         drafts = self._new_tokens(sum(counts))
         for st_, loc in zip(self.states, locs):
             self._write_kv(st_, loc, drafts)
-        per_request, at = [], 0
-        for n in counts:
-            per_request.append(drafts[at:at + n])
+        at = 0
+        for r, n in zip(rows, counts):
+            self.pending[r] = drafts[at:at + n]
             at += n
         if check:
-            self.check_invariants({**self.tokens, **{r: self.tokens[r] + d for r, d in zip(rows, per_request)}})
+            self.check_invariants()
+        return Pending(list(rows), lens, list(counts), locs[0].cpu())
 
-        width = max([len(p) for p in paths] + [1])
+    def commit(self, pending: "Pending", paths: list[list[int]], kv_buffers: bool = True, check: bool = True) -> None:
+        """Commit the drafts of an alloc (every implementation must accept it)."""
         for st_ in self.states:
-            acc = self._index([p + [-1] * (width - len(p)) for p in paths], st_).reshape(len(rows), width)
-            new_lens = spec_kernels.commit_draft_slots(
-                st_.req_to_token, self._index(rows, st_), self._index(lens, st_), self._index(counts, st_), acc,
-                self._index([len(p) for p in paths], st_), st_.free_pages, st_.num_free, self.page_size,
-                kv_buffers=st_.kv if kv_buffers else None, impl=st_.impl, max_draft=self.max_draft)
-            assert new_lens.tolist() == [L + len(p) for L, p in zip(lens, paths)]
+            new_lens = self.commit_call(st_, pending, paths, kv_buffers)
+            assert new_lens.tolist() == [L + len(p) for L, p in zip(pending.lens, paths)]
             assert new_lens.dtype == self.index_dtype
         self.assert_lockstep("after commit")
-        for r, d, p in zip(rows, per_request, paths):
+        for r, p in zip(pending.rows, paths):
+            d = self.pending.pop(r)
             self.tokens[r] += [d[i] for i in p]
         if check:
-            self.check_invariants(self.tokens)
+            self.check_invariants()
+
+    def step(self, rows: list[int], counts: list[int], paths: list[list[int]],
+             kv_buffers: bool = True, check: bool = True) -> bool:
+        """alloc -> write the drafts' KV -> commit. Returns False if the pool was out of pages
+        (then every implementation must have refused and changed nothing)."""
+        pending = self.alloc(rows, counts, check)
+        if pending is None:
+            return False
+        self.commit(pending, paths, kv_buffers, check)
         return True
+
+    def expect_refused(self, call, exc=ValueError, match: str = "") -> None:
+        """call(state) must raise exc (matching) for every implementation and leave every tensor
+        of its state byte for byte as it was."""
+        for st_ in self.states:
+            before = st_.snapshot()
+            with pytest.raises(exc, match=match):
+                call(st_)
+            assert_same(before, st_.snapshot(), f"{st_.impl}: a refused call changed the state")
 
     def random_step(self) -> bool:
         """A random batch (random order, distinct rows) with random draft counts and paths."""
@@ -258,8 +319,9 @@ class Sim:
 
     # ------------------------------------------------------------------ the invariants
     def check_invariants(self, held: Optional[dict[int, list[int]]] = None) -> None:
-        """held: row -> the token at each position it holds now (default: the truth)."""
-        held = self.tokens if held is None else held
+        """held: row -> the token at each position it holds now (default: the truth, drafts not
+        committed yet included)."""
+        held = self.held() if held is None else held
         st_ = self.states[0]
         P, C = self.page_size, self.num_pages
         rtt = st_.req_to_token.cpu()
@@ -285,6 +347,10 @@ class Sim:
         assert len(set(free)) == len(free), f"a page is on the free stack twice: {sorted(free)}"
         assert not set(free) & set(owner), f"pages both held and free: {set(free) & set(owner)}"
         assert set(free) | set(owner) == set(range(C)), f"pages leaked: {set(range(C)) - set(free) - set(owner)}"
+        state = st_.page_state.cpu()
+        want = torch.full((C,), reference.PAGE_HELD, dtype=torch.int32)
+        want[torch.tensor(free, dtype=torch.int64)] = reference.PAGE_FREE
+        assert torch.equal(state, want), f"page_state disagrees with the stack at pages {(state != want).nonzero().flatten().tolist()}"
 
 
 # --------------------------------------------------------------------------- the tests
@@ -319,3 +385,258 @@ def test_random_steps_triton_equals_reference_and_invariants_hold(page_size, dat
 def test_long_random_sequences_reference(page_size, data):
     run_random_sequence(Draw(data), [("reference", "cpu")], page_size, steps=40,
                         max_draft=data.draw(st.sampled_from([8, 64])))
+
+
+# --------------------------------------------------------------------------- adversarial sequences
+# Calls a correct caller never makes. Each must be refused as a whole (every tensor of every
+# implementation byte for byte as before), after which the pool works on. Refusals are checked
+# twice: by the public functions' host checks, and with those off (kernel_only), where the
+# kernels refuse by themselves and the status read back raises (the path of CUDA tensors).
+
+@contextlib.contextmanager
+def host_checks(enabled: bool):
+    if enabled:
+        yield
+        return
+    with mock.patch.object(kv_api, "values_checkable", lambda *tensors: False):
+        yield
+
+
+def released_by(sim: Sim, pending: Pending, paths: list[list[int]]) -> int:
+    """Pages (slots when P = 1) a commit of these paths releases."""
+    P = sim.page_size
+    return sum((n - len(p)) if P == 1 else pages_spanned(L + len(p), L + n, P)
+               for L, n, p in zip(pending.lens, pending.counts, paths))
+
+
+def replay_commit(sim: Sim, pending: Pending, paths: list[list[int]]) -> None:
+    """The commit just made, again (the reported bug: its rejected slots would be pushed twice)."""
+    sim.expect_refused(lambda st_: sim.commit_call(st_, pending, paths, check_status=True),
+                       match="which is not held|cannot be freed or kept twice")
+
+
+def release_request(sim: Sim, row: int) -> None:
+    """A request with drafts not yet committed is dropped: every page of its committed positions and
+    drafts goes back onto the stack (the caller keeps page_state when it moves pages itself)."""
+    length = len(sim.tokens.pop(row)) + len(sim.pending.pop(row))
+    for st_ in sim.states:
+        pages = st_.req_to_token[row, :length:sim.page_size].long() // sim.page_size
+        top = int(st_.num_free.item())
+        st_.free_pages[top:top + pages.numel()] = pages.to(st_.free_pages.device)
+        st_.num_free += pages.numel()
+        st_.page_state[pages.to(st_.page_state.device)] = reference.PAGE_FREE
+
+
+def commit_never_allocated(sim: Sim) -> bool:
+    """A commit for drafts that were never allocated: req_to_token beyond a live request's length
+    points at slots of pages still on the free stack (at their right offsets)."""
+    P, draw = sim.page_size, sim.draw
+    live = [r for r in sorted(sim.tokens) if r not in sim.pending]
+    if not live:
+        return False
+    row = live[draw.int(0, len(live) - 1)]
+    L = len(sim.tokens[row])
+    first_fresh = -(-L // P) * P
+    most = min(sim.max_draft, sim.max_context - L)
+    if first_fresh >= L + most or sim.free_page_count() == 0:
+        return False  # no draft position can lie beyond the request's own last page
+    n = draw.int(first_fresh - L + 1, most)
+    fresh_pages = pages_spanned(L, L + n, P)
+    top = sim.free_page_count()
+    if fresh_pages > top:
+        return False
+    pages = sim.states[0].free_pages[top - fresh_pages:top].tolist()
+    slots = []
+    for pos in range(L, L + n):
+        page = pages[(pos - first_fresh) // P] if pos >= first_fresh else int(sim.states[0].req_to_token[row, L - 1]) // P
+        slots.append(page * P + pos % P)
+    for st_ in sim.states:
+        st_.req_to_token[row, L:L + n] = torch.tensor(slots, dtype=st_.req_to_token.dtype)
+    fake = Pending([row], [L], [n], torch.tensor(slots))
+    path = random_path(draw, n)
+    sim.expect_refused(lambda st_: sim.commit_call(st_, fake, [path], check_status=True), match="which is not held")
+    return True
+
+
+def alloc_from_corrupt_stack(sim: Sim) -> bool:
+    """The stack gets a page pushed that is held (or a free page a second time); an alloc that
+    would pop it is refused (the stack and page_state disagree), then the stack is repaired."""
+    draw, C = sim.draw, sim.num_pages
+    top = sim.free_page_count()
+    st0 = sim.states[0]
+    held = (st0.page_state.cpu() == reference.PAGE_HELD).nonzero().flatten().tolist()
+    if top >= C or not held:
+        return False
+    twice = top > 0 and draw.coin()
+    page = int(st0.free_pages[top - 1]) if twice else held[draw.int(0, len(held) - 1)]
+    live = [r for r in sorted(sim.tokens) if r not in sim.pending]
+    rows, counts = [], []
+    for r in draw.permutation(live):  # a batch that pops the bad page (and, if twice, its twin)
+        L = len(sim.tokens[r])
+        n = min(sim.max_draft, sim.max_context - L)
+        rows.append(r)
+        counts.append(n)
+        if sim.pages_needed(rows, counts) >= 2:
+            break
+    need = sim.pages_needed(rows, counts)
+    if need < (2 if twice else 1) or need > top + 1:
+        return False
+    saved = []
+    for st_ in sim.states:
+        saved.append(int(st_.free_pages[top]))
+        st_.free_pages[top] = page
+        st_.num_free += 1
+    lens = [len(sim.tokens[r]) for r in rows]
+    sim.expect_refused(lambda st_: spec_kernels.alloc_draft_slots(*sim.alloc_args(st_, rows, lens, counts),
+                                                                   impl=st_.impl, max_draft=sim.max_draft),
+                       match="twice in the part of the free stack" if twice else "would pop, is not free")
+    for st_, old in zip(sim.states, saved):
+        st_.free_pages[top] = old
+        st_.num_free -= 1
+    return True
+
+
+def random_batch(sim: Sim, rows: list[int]) -> tuple[list[int], list[int]]:
+    counts = [sim.draw.int(0, min(sim.max_draft, sim.max_context - len(sim.tokens[r]))) for r in rows]
+    return rows, counts
+
+
+def adversarial_round(sim: Sim) -> None:
+    """One random round: two interleaved batches (alloc A, alloc B, commits in a random order),
+    replays of each commit that released something, a request dropped before its commit (whose
+    stale commit must be refused), a commit of slots never allocated, an alloc from a corrupt stack."""
+    draw = sim.draw
+    live = draw.permutation(sorted(sim.tokens))
+    cut = draw.int(0, len(live))
+    batches = []
+    for rows in (live[:cut], live[cut:draw.int(cut, len(live))]):
+        rows, counts = random_batch(sim, rows)
+        pending = sim.alloc(rows, counts)
+        if pending is not None:
+            batches.append((pending, [random_path(draw, n) for n in counts]))
+    if batches and draw.coin(0.4):  # drop a request with drafts: its stale commit is refused
+        which = draw.int(0, len(batches) - 1)
+        pending, paths = batches[which]
+        with_drafts = [i for i, n in enumerate(pending.counts) if n > 0]
+        if with_drafts:
+            i = with_drafts[draw.int(0, len(with_drafts) - 1)]
+            release_request(sim, pending.rows[i])
+            sim.check_invariants()
+            sim.expect_refused(lambda st_: sim.commit_call(st_, pending, paths, check_status=True),
+                               match="which is not held")
+            keep = [j for j in range(len(pending.rows)) if j != i]
+            batches[which] = (Pending([pending.rows[j] for j in keep], [pending.lens[j] for j in keep],
+                                      [pending.counts[j] for j in keep], pending.loc), [paths[j] for j in keep])
+    for pending, paths in draw.permutation(batches):
+        sim.commit(pending, paths)
+        if released_by(sim, pending, paths) > 0 and draw.coin(0.7):
+            replay_commit(sim, pending, paths)
+            sim.check_invariants()
+    if draw.coin(0.3):
+        commit_never_allocated(sim)
+        sim.check_invariants()
+    if draw.coin(0.3):
+        alloc_from_corrupt_stack(sim)
+        sim.check_invariants()
+
+
+def run_adversarial_sequence(draw: Draw, impls, page_size: int, rounds: int, kernel_only: bool, **kw) -> Sim:
+    sim = Sim(impls, POOL_PAGES[page_size], page_size, draw=draw, **kw)
+    with host_checks(not kernel_only):
+        for _ in range(rounds):
+            sim.random_arrivals_and_departures()
+            adversarial_round(sim)
+    sim.check_invariants()
+    return sim
+
+
+@pytest.mark.parametrize("page_size", PAGE_SIZES)
+@settings(max_examples=8, deadline=None, derandomize=True,
+          suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+@given(data=st.data())
+def test_adversarial_sequences_triton_equals_reference_and_invariants_hold(page_size, data):
+    run_adversarial_sequence(Draw(data), [("reference", "cpu"), ("triton", "cpu")], page_size, rounds=6,
+                             kernel_only=data.draw(st.booleans()), max_draft=data.draw(st.sampled_from([4, 16, 64])),
+                             rtt_dtype=data.draw(st.sampled_from([torch.int32, torch.int64])))
+
+
+@pytest.mark.parametrize("page_size", PAGE_SIZES)
+@settings(max_examples=20, deadline=None, derandomize=True,
+          suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+@given(data=st.data())
+def test_long_adversarial_sequences_reference(page_size, data):
+    run_adversarial_sequence(Draw(data), [("reference", "cpu")], page_size, rounds=25,
+                             kernel_only=data.draw(st.booleans()), max_draft=data.draw(st.sampled_from([8, 64])))
+
+
+def _double_commit_sim(impls, page_size: int):
+    """Requests 0 and 1 with drafts: 0's commit releases slots (P = 1) or its last draft page."""
+    sim = Sim(impls, POOL_PAGES[page_size], page_size, draw=Draw(seed=7))
+    lens = [max(page_size - 2, 3), 2 * page_size]
+    assert sim.admit([0, 1], lens)
+    pending = sim.alloc([0, 1], [6, 4])
+    paths = [[0, 2], [1]]
+    sim.commit(pending, paths)
+    assert released_by(sim, pending, paths) > 0
+    return sim, pending, paths
+
+
+@pytest.mark.parametrize("kernel_only", [False, True])
+@pytest.mark.parametrize("impl", ["reference", "triton"])
+@pytest.mark.parametrize("page_size", PAGE_SIZES)
+def test_double_commit_is_refused_and_changes_nothing(impl, page_size, kernel_only):
+    """The same commit twice (as reported: num_free 13 -> 16, three slots twice on the stack and
+    handed out again by the next alloc) is refused as a whole, and the pool works on."""
+    sim, pending, paths = _double_commit_sim([(impl, "cpu")], page_size)
+    with host_checks(not kernel_only):
+        sim.expect_refused(lambda st_: sim.commit_call(st_, pending, paths, check_status=True),
+                           match="which is not held")
+        sim.check_invariants()
+        assert sim.step([0, 1], [5, 3], [[0, 1], [0, 2]])
+    sim.check_invariants()
+
+
+@pytest.mark.parametrize("page_size", PAGE_SIZES)
+def test_commit_after_release_and_of_never_allocated_slots(page_size):
+    """Interleaved requests: A and B allocate in one call, C in another; A is dropped before its
+    commit; the stale commit of A and B is refused, B's and C's commits go through; a commit of
+    slots still on the free stack is refused."""
+    sim = Sim(CPU_LOCKSTEP, POOL_PAGES[page_size], page_size, max_draft=64, draw=Draw(seed=3))
+    assert sim.admit([0, 1, 2], [page_size + 1, 2, 3 * page_size])
+    ab = sim.alloc([0, 1], [5, 7])
+    c = sim.alloc([2], [9])
+    release_request(sim, 0)
+    sim.check_invariants()
+    for kernel_only in (False, True):
+        with host_checks(not kernel_only):
+            sim.expect_refused(lambda st_: sim.commit_call(st_, ab, [[0, 1], [0, 3]], check_status=True),
+                               match=r"\(draft 0 of request 0\) is on page \d+, which is not held")
+    sim.commit(c, [[0, 2, 3]])
+    sim.commit(Pending([1], ab.lens[1:], ab.counts[1:], ab.loc), [[0, 3]])
+    for kernel_only in (False, True):
+        with host_checks(not kernel_only):
+            assert commit_never_allocated(sim)
+    sim.check_invariants()
+
+
+CPU_LOCKSTEP = [("reference", "cpu"), ("triton", "cpu")]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("kernel_only", [False, True])
+@pytest.mark.parametrize("page_size", PAGE_SIZES)
+@pytest.mark.parametrize("seed", range(2))
+def test_gpu_adversarial_sequences_match_reference(page_size, seed, kernel_only):
+    run_adversarial_sequence(Draw(seed=seed), [("reference", "cpu"), ("triton", "cuda"), ("cuda", "cuda")],
+                             page_size, rounds=12, kernel_only=kernel_only, max_draft=64 if seed else 16)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("impl", ["cuda", "triton"])
+@pytest.mark.parametrize("page_size", PAGE_SIZES)
+def test_gpu_double_commit_is_refused_and_changes_nothing(impl, page_size):
+    sim, pending, paths = _double_commit_sim([("reference", "cpu"), (impl, "cuda")], page_size)
+    with host_checks(False):
+        sim.expect_refused(lambda st_: sim.commit_call(st_, pending, paths, check_status=True),
+                           match="which is not held")
+    sim.check_invariants()

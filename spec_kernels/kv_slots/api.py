@@ -20,7 +20,7 @@ import torch
 from .._checks import INDEX_DTYPES, _is_fake, check_shape, check_tensor, values_checkable
 from .._ops import cuda_ops, op_impls, sm_count
 from . import reference, triton_kernel
-from .reference import MAX_DRAFT_TOKENS, STATUS_LEN, STATUS_OK, STATUS_OUT_OF_PAGES, Verdict
+from .reference import MAX_DRAFT_TOKENS, PAGE_FREE, PAGE_HELD, STATUS_LEN, STATUS_OK, STATUS_OUT_OF_PAGES, Verdict
 
 ALLOC = op_impls("alloc_draft_slots")
 COMMIT = op_impls("commit_draft_slots")
@@ -104,18 +104,18 @@ COMMIT.register("reference")(reference.commit_draft_slots)
 
 @COMMIT.register("triton")
 def _commit_triton(req_to_token, req_pool_indices, seq_lens, num_draft, accept_index, accept_len, free_pages,
-                   num_free, page_size, max_draft, kv_buffers, new_seq_lens, status):
+                   num_free, page_state, page_size, max_draft, kv_buffers, new_seq_lens, status):
     table, shares, sync, tag = _kv_moves(req_to_token, req_pool_indices, kv_buffers, page_size, 1)
     triton_kernel.commit_draft_slots(req_to_token, req_pool_indices, seq_lens, num_draft, accept_index, accept_len,
-                                     free_pages, num_free, page_size, max_draft, table, new_seq_lens, status, shares,
-                                     sync, tag)
+                                     free_pages, num_free, page_state, page_size, max_draft, table, new_seq_lens,
+                                     status, shares, sync, tag)
 
 
 @ALLOC.register("cuda")
-def _alloc_cuda(req_to_token, req_pool_indices, seq_lens, num_draft, free_pages, num_free, page_size, max_draft,
-                out_cache_loc, status):
+def _alloc_cuda(req_to_token, req_pool_indices, seq_lens, num_draft, free_pages, num_free, page_state, page_size,
+                max_draft, out_cache_loc, status):
     cuda_ops().alloc_draft_slots(req_to_token, req_pool_indices, seq_lens, num_draft, free_pages, num_free,
-                                 page_size, max_draft, out_cache_loc, status)
+                                 page_state, page_size, max_draft, out_cache_loc, status)
 
 
 CUDA_WARPS_PER_BLOCK = 32  # csrc/kv_slots: every warp of a KV-move block copies one buffer at a time
@@ -123,55 +123,75 @@ CUDA_WARPS_PER_BLOCK = 32  # csrc/kv_slots: every warp of a KV-move block copies
 
 @COMMIT.register("cuda")
 def _commit_cuda(req_to_token, req_pool_indices, seq_lens, num_draft, accept_index, accept_len, free_pages,
-                 num_free, page_size, max_draft, kv_buffers, new_seq_lens, status):
+                 num_free, page_state, page_size, max_draft, kv_buffers, new_seq_lens, status):
     table, shares, sync, tag = _kv_moves(req_to_token, req_pool_indices, kv_buffers, page_size, CUDA_WARPS_PER_BLOCK)
     cuda_ops().commit_draft_slots(
         req_to_token, req_pool_indices, seq_lens, num_draft, accept_index, accept_len, free_pages, num_free,
-        page_size, max_draft, table.table if table else None, table.num_rows if table else 0,
+        page_state, page_size, max_draft, table.table if table else None, table.num_rows if table else 0,
         table.unit_bytes if table else 1, shares, sync, tag, new_seq_lens, status)
 
 
 # --------------------------------------------------------------------------- custom ops
 @torch.library.custom_op("spec_kernels::alloc_draft_slots",
-                         mutates_args=("req_to_token", "free_pages", "num_free", "out_cache_loc", "status"))
+                         mutates_args=("req_to_token", "free_pages", "num_free", "page_state", "out_cache_loc",
+                                       "status"))
 def _alloc_op(req_to_token: torch.Tensor, req_pool_indices: torch.Tensor, seq_lens: torch.Tensor,
-              num_draft: torch.Tensor, free_pages: torch.Tensor, num_free: torch.Tensor, page_size: int,
-              max_draft: int, out_cache_loc: torch.Tensor, status: torch.Tensor, impl: str) -> None:
+              num_draft: torch.Tensor, free_pages: torch.Tensor, num_free: torch.Tensor, page_state: torch.Tensor,
+              page_size: int, max_draft: int, out_cache_loc: torch.Tensor, status: torch.Tensor, impl: str) -> None:
     _, fn = ALLOC.select(req_to_token.device, impl or None)
-    fn(req_to_token, req_pool_indices, seq_lens, num_draft, free_pages, num_free, page_size, max_draft,
+    fn(req_to_token, req_pool_indices, seq_lens, num_draft, free_pages, num_free, page_state, page_size, max_draft,
        out_cache_loc, status)
 
 
 @_alloc_op.register_fake
-def _(req_to_token, req_pool_indices, seq_lens, num_draft, free_pages, num_free, page_size, max_draft,
+def _(req_to_token, req_pool_indices, seq_lens, num_draft, free_pages, num_free, page_state, page_size, max_draft,
       out_cache_loc, status, impl):
     return None
 
 
 @torch.library.custom_op("spec_kernels::commit_draft_slots",
-                         mutates_args=("req_to_token", "free_pages", "num_free", "kv_buffers", "new_seq_lens",
-                                       "status"))
+                         mutates_args=("req_to_token", "free_pages", "num_free", "page_state", "kv_buffers",
+                                       "new_seq_lens", "status"))
 def _commit_op(req_to_token: torch.Tensor, req_pool_indices: torch.Tensor, seq_lens: torch.Tensor,
                num_draft: torch.Tensor, accept_index: torch.Tensor, accept_len: torch.Tensor,
-               free_pages: torch.Tensor, num_free: torch.Tensor, page_size: int, max_draft: int,
-               kv_buffers: list[torch.Tensor], new_seq_lens: torch.Tensor, status: torch.Tensor, impl: str) -> None:
+               free_pages: torch.Tensor, num_free: torch.Tensor, page_state: torch.Tensor, page_size: int,
+               max_draft: int, kv_buffers: list[torch.Tensor], new_seq_lens: torch.Tensor, status: torch.Tensor,
+               impl: str) -> None:
     _, fn = COMMIT.select(req_to_token.device, impl or None)
     fn(req_to_token, req_pool_indices, seq_lens, num_draft, accept_index, accept_len, free_pages, num_free,
-       page_size, max_draft, kv_buffers, new_seq_lens, status)
+       page_state, page_size, max_draft, kv_buffers, new_seq_lens, status)
 
 
 @_commit_op.register_fake
 def _(req_to_token, req_pool_indices, seq_lens, num_draft, accept_index, accept_len, free_pages, num_free,
-      page_size, max_draft, kv_buffers, new_seq_lens, status, impl):
+      page_state, page_size, max_draft, kv_buffers, new_seq_lens, status, impl):
     return None
 
 
 # --------------------------------------------------------------------------- checks
-def _check_state(req_to_token, req_pool_indices, seq_lens, num_draft, free_pages, num_free, page_size, max_draft,
-                 status) -> torch.Tensor:
-    """Metadata checks shared by both ops; returns the status buffer to use."""
-    check_tensor(req_to_token, "req_to_token", dim=2, dtypes=INDEX_DTYPES)
-    dev = req_to_token.device
+def _inputs_device(named: Sequence[tuple[str, object]]) -> torch.device:
+    """The device the inputs agree on: the one most of the tensors are on (req_to_token's on a
+    tie), so that the error names the tensor that is elsewhere, req_to_token included."""
+    devices = [t.device for _, t in named if isinstance(t, torch.Tensor)]
+    if not devices:
+        return torch.device("cpu")
+    counts = collections.Counter(devices)
+    first = named[0][1]
+    best = max(counts.values())
+    if isinstance(first, torch.Tensor) and counts[first.device] == best:
+        return first.device
+    return next(d for d in devices if counts[d] == best)
+
+
+def _check_state(req_to_token, req_pool_indices, seq_lens, num_draft, free_pages, num_free, page_state, page_size,
+                 max_draft, status, others: Sequence[tuple[str, object]] = ()) -> torch.Tensor:
+    """Metadata checks shared by both ops (others: the op's other tensors, for the device vote);
+    returns the status buffer to use."""
+    named = [("req_to_token", req_to_token), ("req_pool_indices", req_pool_indices), ("seq_lens", seq_lens),
+             ("num_draft", num_draft), ("free_pages", free_pages), ("num_free", num_free),
+             ("page_state", page_state), *others]
+    dev = _inputs_device(named)
+    check_tensor(req_to_token, "req_to_token", dim=2, dtypes=INDEX_DTYPES, device=dev)
     check_tensor(req_pool_indices, "req_pool_indices", dim=1, dtypes=INDEX_DTYPES, device=dev)
     B = req_pool_indices.shape[0]
     for t, name in ((seq_lens, "seq_lens"), (num_draft, "num_draft")):
@@ -180,6 +200,8 @@ def _check_state(req_to_token, req_pool_indices, seq_lens, num_draft, free_pages
     check_tensor(free_pages, "free_pages", dim=1, dtypes=(torch.int64,), device=dev)
     check_tensor(num_free, "num_free", dim=1, dtypes=(torch.int64,), device=dev)
     check_shape(num_free, "num_free", (1,))
+    check_tensor(page_state, "page_state", dim=1, dtypes=(torch.int32,), device=dev)
+    check_shape(page_state, "page_state", tuple(free_pages.shape), "one entry per page, like free_pages")
     if isinstance(page_size, bool) or not isinstance(page_size, int):
         raise TypeError(f"page_size must be an int, got {type(page_size).__name__}")
     if page_size < 1 or page_size & (page_size - 1):
@@ -235,6 +257,7 @@ def alloc_draft_slots(
     num_draft: torch.Tensor,
     free_pages: torch.Tensor,
     num_free: torch.Tensor,
+    page_state: torch.Tensor,
     page_size: int,
     impl: Optional[str] = None,
     *,
@@ -249,7 +272,8 @@ def alloc_draft_slots(
     ``seq_lens[b] .. seq_lens[b] + num_draft[b] - 1`` (num_draft[b] may be 0): first the free slots
     of its partially filled last page, then slots of pages popped from the top of the free-page
     stack ``free_pages[:num_free]``, requests in batch order. A position always sits at offset
-    ``pos % page_size`` of its page. ``req_to_token`` and ``num_free`` are updated in place.
+    ``pos % page_size`` of its page. ``req_to_token``, ``num_free`` and ``page_state`` (the
+    popped pages become held) are updated in place.
 
     Args:
         req_to_token: int32/int64 [rows, max_context], slot of each position of each request row.
@@ -257,6 +281,12 @@ def alloc_draft_slots(
         free_pages: int64 [num_pages], the stack of free page ids (its length is the pool's page
             count; page p is slots p * page_size .. p * page_size + page_size - 1).
         num_free: int64 [1], stack height.
+        page_state: int32 [num_pages], which pages are held: PAGE_FREE (0) for the pages on the
+            stack, PAGE_HELD (1) for every other page. Build it once with
+            :func:`page_state_from_free_stack` (e.g. from the initial stack, where every page is
+            free) and keep it with the stack: the two ops update it; a caller that pushes pages
+            itself (a finished request's) sets them to 0, one that takes pages from the stack by
+            other means sets them to 1. The exact rules: spec_kernels/kv_slots/reference.py.
         page_size: a power of two >= 1.
         impl: "cuda", "triton" or "reference" to force one; default the fastest available.
         max_draft: the largest allowed num_draft[b] (<= 64).
@@ -273,34 +303,40 @@ def alloc_draft_slots(
 
     Raises:
         RuntimeError if the stack cannot serve the whole batch (saying how many pages were needed
-        and free); ValueError/TypeError naming the argument for bad input. Either way nothing
-        was changed.
+        and free); ValueError/TypeError naming the argument for bad input, and ValueError when
+        the stack and page_state disagree (a page to pop is held or on the stack twice, a
+        continued last page is not held). Either way nothing was changed.
 
     Guarantees: metadata of every input is checked. Values (rows in range and distinct, counts
     in [0, max_draft], lengths within req_to_token, the page of a partially filled last slot in
-    the pool, enough free pages) are checked on CPU tensors, and on CUDA in debug mode
-    (SPEC_KERNELS_DEBUG=1), before anything changes. The Triton and CUDA kernels check the same
-    rules themselves (except distinct rows) before writing anything: a refused call changes
-    nothing but the status and out_cache_loc, and never accesses memory out of bounds. One
-    launch, no host synchronisation when check_free=False and total_draft is given, so it can be
-    captured in a CUDA graph. Deterministic.
+    the pool and held, enough free pages, the pages to pop in the pool, free and distinct) are
+    checked on CPU tensors, and on CUDA in debug mode (SPEC_KERNELS_DEBUG=1), before anything
+    changes. The Triton and CUDA kernels check the same rules themselves (except distinct rows)
+    before writing anything: a refused call changes nothing but the status and out_cache_loc
+    (page_state included: the kernels claim pages with atomic exchanges and undo them on
+    refusal before the launch ends), and never accesses memory out of bounds. One launch, no
+    host synchronisation when check_free=False and total_draft is given, so it can be captured
+    in a CUDA graph. Deterministic.
 
     Example:
+        >>> page_state = spec_kernels.kv_slots.page_state_from_free_stack(free_pages, num_free)
         >>> loc = spec_kernels.alloc_draft_slots(req_to_token, req_pool_indices, seq_lens,
-        ...                                      num_draft, free_pages, num_free, page_size=16)
+        ...                                      num_draft, free_pages, num_free, page_state, page_size=16)
     """
-    status = _check_state(req_to_token, req_pool_indices, seq_lens, num_draft, free_pages, num_free, page_size,
-                          max_draft, status)
+    status = _check_state(req_to_token, req_pool_indices, seq_lens, num_draft, free_pages, num_free, page_state,
+                          page_size, max_draft, status)
     B = req_pool_indices.shape[0]
     if total_draft is not None and (isinstance(total_draft, bool) or not isinstance(total_draft, int)
                                     or total_draft < 0):
         raise ValueError(f"total_draft must be an int >= 0, got {total_draft!r}")
-    args = (req_to_token, req_pool_indices, seq_lens, num_draft, free_pages, num_free, page_size, max_draft)
+    args = (req_to_token, req_pool_indices, seq_lens, num_draft, free_pages, num_free, page_state, page_size,
+            max_draft)
 
     def verdict(out_capacity: int) -> Verdict:
         return reference.alloc_verdict(*args, out_capacity)
 
-    host_checked = values_checkable(req_to_token, req_pool_indices, seq_lens, num_draft, free_pages, num_free)
+    host_checked = values_checkable(req_to_token, req_pool_indices, seq_lens, num_draft, free_pages, num_free,
+                                    page_state)
     if host_checked:
         _check_unique_rows(req_pool_indices)
         v = verdict(total_draft if total_draft is not None else B * max_draft)
@@ -331,6 +367,7 @@ def commit_draft_slots(
     accept_len: torch.Tensor,
     free_pages: torch.Tensor,
     num_free: torch.Tensor,
+    page_state: torch.Tensor,
     page_size: int,
     kv_buffers: Optional[Sequence[torch.Tensor]] = None,
     impl: Optional[str] = None,
@@ -354,11 +391,20 @@ def commit_draft_slots(
       pages lying wholly beyond the new length are pushed. With kv_buffers=None every accepted
       path must be a prefix (0, 1, ..., k-1), e.g. chain drafts.
 
-    Entries of req_to_token beyond the new lengths are left as they are.
+    Every pushed page becomes free in ``page_state``. Entries of req_to_token beyond the new
+    lengths are left as they are.
+
+    A commit must match a live alloc: every draft slot must lie on a page that page_state says
+    is held, and no page may carry the drafts of two positions of the call in two page-blocks
+    (page_size 1: no two draft slots may be equal). So the same commit twice, a commit of slots
+    that were never allocated or of a request already released, or a req_to_token that gives two
+    requests one page is refused as a whole, before any slot is freed twice. (A repeat that
+    releases no page, e.g. page_size 16 with every draft on kept pages, cannot be told from a
+    first call: it only moves the same KV rows again.)
 
     Args:
-        req_to_token, req_pool_indices, seq_lens, num_draft, free_pages, num_free, page_size,
-        max_draft, status: as in :func:`alloc_draft_slots`.
+        req_to_token, req_pool_indices, seq_lens, num_draft, free_pages, num_free, page_state,
+        page_size, max_draft, status: as in :func:`alloc_draft_slots`.
         accept_index: int32/int64 [B, A], A <= 64. accept_len: int32/int64 [B].
         kv_buffers: distinct, non-overlapping tensors [num_slots, ...] (any dtype, rows
             contiguous, one num_slots) on the same device; used when page_size > 1.
@@ -370,21 +416,24 @@ def commit_draft_slots(
         new_seq_lens = seq_lens + accept_len (seq_lens' dtype); seq_lens if the call was refused.
 
     Guarantees: metadata is always checked; values (paths in range, increasing, -1 padded,
-    accept_len <= num_draft, draft slots in the pool and in kv_buffers, the stack not
-    overflowing, distinct rows) on CPU tensors and on CUDA in debug mode, before anything
-    changes (ValueError naming the argument). The kernels check the same rules (except
-    distinct rows) before touching the allocator state or any KV row: a refused call leaves
-    req_to_token, free_pages, num_free and kv_buffers unchanged. One launch (the KV-move blocks
+    accept_len <= num_draft, draft slots in the pool and in kv_buffers and on held pages, the
+    draft pages distinct, the stack not overflowing, distinct rows) on CPU tensors and on CUDA
+    in debug mode, before anything changes (ValueError naming the argument). The kernels check
+    the same rules (except distinct rows) before touching the allocator state or any KV row: a
+    refused call leaves req_to_token, free_pages, num_free, page_state and kv_buffers unchanged
+    (the kernels claim the call's pages with atomic exchanges and undo the claims of a refused
+    call before the launch ends). One launch (the KV-move blocks
     wait inside it for the bookkeeping block's verdict on the whole batch), no host
     synchronisation unless check_status, capturable in a CUDA graph once the kv_buffers table is
     cached (call it once before capture). Deterministic.
 
     Example:
         >>> new_lens = spec_kernels.commit_draft_slots(req_to_token, req_pool_indices, seq_lens,
-        ...     num_draft, accept_index, accept_len, free_pages, num_free, 16, kv_buffers=k_and_v)
+        ...     num_draft, accept_index, accept_len, free_pages, num_free, page_state, 16, kv_buffers=k_and_v)
     """
-    status = _check_state(req_to_token, req_pool_indices, seq_lens, num_draft, free_pages, num_free, page_size,
-                          max_draft, status)
+    status = _check_state(req_to_token, req_pool_indices, seq_lens, num_draft, free_pages, num_free, page_state,
+                          page_size, max_draft, status,
+                          others=(("accept_index", accept_index), ("accept_len", accept_len)))
     dev = req_to_token.device
     B = req_pool_indices.shape[0]
     check_tensor(accept_index, "accept_index", dim=2, dtypes=INDEX_DTYPES, device=dev)
@@ -395,10 +444,10 @@ def commit_draft_slots(
     check_shape(accept_len, "accept_len", (B,), "one entry per request")
     kv_buffers = _check_kv_buffers(kv_buffers, dev)
     args = (req_to_token, req_pool_indices, seq_lens, num_draft, accept_index, accept_len, free_pages, num_free,
-            page_size, max_draft, kv_buffers)
+            page_state, page_size, max_draft, kv_buffers)
 
     host_checked = values_checkable(req_to_token, req_pool_indices, seq_lens, num_draft, accept_index, accept_len,
-                                    free_pages, num_free)
+                                    free_pages, num_free, page_state)
     if host_checked:
         _check_unique_rows(req_pool_indices)
         _raise_for("commit_draft_slots", reference.commit_verdict(*args))
@@ -407,6 +456,43 @@ def commit_draft_slots(
     if check_status and not host_checked and _may_sync(req_to_token):
         _read_status("commit_draft_slots", status, lambda: reference.commit_verdict(*args))
     return new_seq_lens
+
+
+def page_state_from_free_stack(free_pages: torch.Tensor, num_free: torch.Tensor) -> torch.Tensor:
+    """The page_state of a pool whose free pages are ``free_pages[:num_free]``: int32
+    [free_pages.numel()] on their device, PAGE_FREE (0) for every page on the stack and
+    PAGE_HELD (1) for all others (pages in use, e.g. by requests admitted before).
+
+    Build it once, when the pool is created (typically every page free), and pass it to every
+    :func:`alloc_draft_slots` / :func:`commit_draft_slots` of that pool. It reads num_free and
+    checks the stack (page ids in range, none twice), so it syncs with the GPU once: do not call
+    it per step or inside a CUDA graph.
+
+    Example (an SGLang-style pool of 4096 pages, all free, page 0 on top):
+        >>> free_pages = torch.arange(4095, -1, -1, device="cuda")
+        >>> num_free = torch.tensor([4096], device="cuda")
+        >>> page_state = page_state_from_free_stack(free_pages, num_free)
+    """
+    check_tensor(free_pages, "free_pages", dim=1, dtypes=(torch.int64,))
+    check_tensor(num_free, "num_free", dim=1, dtypes=(torch.int64,), device=free_pages.device)
+    check_shape(num_free, "num_free", (1,))
+    capacity = free_pages.numel()
+    top = int(num_free.item())
+    if not 0 <= top <= capacity:
+        raise ValueError(f"num_free = {top} must be in [0, free_pages.numel()={capacity}]")
+    live = free_pages[:top]
+    if top and (int(live.min()) < 0 or int(live.max()) >= capacity):
+        raise ValueError(f"free_pages[:num_free] must be page ids in [0, {capacity}), got range "
+                         f"[{int(live.min())}, {int(live.max())}]")
+    state = torch.full((capacity,), PAGE_HELD, dtype=torch.int32, device=free_pages.device)
+    if top:
+        counts = torch.bincount(live, minlength=capacity)
+        if int(counts.max()) > 1:
+            page = int(counts.argmax())
+            raise ValueError(f"free_pages[:num_free] holds page {page} {int(counts[page])} times; a page can be "
+                             f"free only once")
+        state[live] = PAGE_FREE
+    return state
 
 
 def _check_kv_buffers(kv_buffers, device: torch.device) -> list[torch.Tensor]:

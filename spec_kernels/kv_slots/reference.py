@@ -1,11 +1,36 @@
 """Readable PyTorch reference of the draft-token KV slot ops: the oracle the kernels are tested
-against, and the definition of which inputs are valid (`alloc_problem`, `commit_problem`).
+against, and the definition of which inputs are valid (`alloc_verdict`, `commit_verdict`).
 
 The model (SGLang's token-slot layout): slots 0..S-1 form pages of P = page_size consecutive
 slots; ``req_to_token[r, pos]`` is the slot of position pos of request row r, and a position
 always sits at offset ``pos % P`` of its page. Free pages are a stack ``free_pages[:num_free]``
 whose capacity ``free_pages.numel()`` is the number of pages in the pool (page ids lie in
 [0, capacity)). The page holding position seq_len-1 of a request, when not full, belongs to it.
+
+Page state (``page_state``, int32 [capacity], part of the pool): every page is either
+PAGE_FREE (0: on the free stack) or PAGE_HELD (1: some request holds a slot of it), so held
+pages plus free pages are exactly the pool. A page is held while ANY of its slots is held: a
+request holds positions [0, seq_len) and, between alloc and commit, its draft positions too, so
+its partially filled last page stays held as long as the request holds one slot of it. The ops
+keep the state in step with the stack:
+
+* alloc sets every page it pops to held. It refuses (changing nothing) when a request would
+  continue a last page that is not held, when a page it would pop is not a page of the pool, is
+  not free, or sits twice in the popped part of the stack, or when two requests would continue
+  the same last page (STATUS_PAGE_CONFLICT: the stack and the state disagree: corruption).
+* commit sets every page it releases to free. Its draft pages are, per request, the page of
+  each page-block that its draft positions seq_len .. seq_len + num_draft - 1 touch, read at the
+  block's first draft position (page_size 1: every draft slot is its own page; a partially
+  filled last page is the first block). Every draft slot must lie on a held page (else the
+  request is invalid: its drafts were already committed or released), and the draft pages must
+  be pairwise distinct across the call (STATUS_PAGE_CONFLICT): so a commit never frees a page
+  that is not held, never frees one page twice, and never frees a page it also keeps.
+
+A commit that releases nothing cannot tell a repeat from a first call (e.g. page_size 16 and
+every draft on the request's kept pages); it then only moves KV rows again. Callers that move
+pages themselves keep the state too: pages pushed back onto the stack (a finished request's)
+become PAGE_FREE, pages taken by another allocator (a prompt's) PAGE_HELD.
+``api.page_state_from_free_stack`` builds the state of a pool from its free stack.
 
 Everything here reads the tensors' values on the host (it syncs with a GPU); it is written to
 be obviously right, not fast.
@@ -19,12 +44,20 @@ import torch
 
 MAX_DRAFT_TOKENS = 64  # an accepted path is one 64-bit mask of draft indices
 
+# page_state values (csrc/include/spec_kernels/launchers.h). PAGE_MARK is seen only inside a
+# kernel launch: the kernels claim the call's pages with atomic exchanges to it, which finds a
+# page claimed twice, and set every claimed page to its final state (or back) before the launch ends.
+PAGE_FREE = 0
+PAGE_HELD = 1
+PAGE_MARK = 2
+
 # status[0] codes, shared with the Triton and CUDA kernels (csrc/include/spec_kernels/launchers.h).
 STATUS_OK = 0
 STATUS_OUT_OF_PAGES = 1  # alloc: the stack cannot serve the whole batch
 STATUS_BAD_REQUEST = 2  # a request's values are invalid; status[3] is the first such request
 STATUS_BAD_STACK = 3  # num_free is out of range, or a commit would overflow the stack
 STATUS_OUT_TOO_SMALL = 4  # alloc: out_cache_loc has fewer entries than sum(num_draft)
+STATUS_PAGE_CONFLICT = 5  # the free stack, page_state and req_to_token disagree (see the module docstring)
 STATUS_LEN = 5  # [code, pages needed/released, num_free before, first bad request or -1, tokens]
 
 
@@ -70,9 +103,10 @@ def _request_problem(b, r, L, n, rows, max_context, max_draft) -> Optional[str]:
 
 
 def _verdict(top: int, capacity: int, bad: Optional[tuple[int, str]], pages: int, tokens: int,
-             totals_problem: Optional[tuple[int, str]]) -> Verdict:
+             totals_problem: Optional[tuple[int, str]], conflict=None) -> Verdict:
     """Precedence shared with the kernels: num_free out of range, then the first invalid request,
-    then the batch totals (out_cache_loc size, free pages, stack capacity)."""
+    then the batch totals (out_cache_loc size, free pages, stack capacity), then the page state
+    (`conflict`, a function giving the problem or None, asked only when all else is valid)."""
     request = bad[0] if bad else -1
     if bad:
         pages = tokens = 0
@@ -83,22 +117,38 @@ def _verdict(top: int, capacity: int, bad: Optional[tuple[int, str]], pages: int
         return Verdict(STATUS_BAD_REQUEST, pages, top, request, tokens, bad[1])
     if totals_problem:
         return Verdict(totals_problem[0], pages, top, request, tokens, totals_problem[1])
+    why = conflict() if conflict else None
+    if why:
+        return Verdict(STATUS_PAGE_CONFLICT, pages, top, request, tokens, why)
     return Verdict(STATUS_OK, pages, top, request, tokens)
 
 
-def alloc_verdict(req_to_token, req_pool_indices, seq_lens, num_draft, free_pages, num_free,
+def _state_name(value: int) -> str:
+    return {PAGE_FREE: "free", PAGE_HELD: "held"}.get(value, f"invalid ({value})")
+
+
+def alloc_verdict(req_to_token, req_pool_indices, seq_lens, num_draft, free_pages, num_free, page_state,
                   page_size: int, max_draft: int, out_capacity: int) -> Verdict:
     """Whether alloc_draft_slots may run on these values, and the totals it reports."""
     capacity = free_pages.numel()
     rows, max_context = req_to_token.shape
+    state = page_state.tolist()
     bad, pages, tokens = None, 0, 0
+    continued = []  # (request, page) of every request continuing its partially filled last page
     for b, (r, L, n) in enumerate(zip(req_pool_indices.tolist(), seq_lens.tolist(), num_draft.tolist())):
         why = _request_problem(b, r, L, n, rows, max_context, max_draft)
         if why is None and n > 0 and L % page_size:
             last = int(req_to_token[r, L - 1])
-            if not 0 <= last // page_size < capacity:
+            page = last // page_size
+            if not 0 <= page < capacity:
                 why = (f"req_to_token[{r}, {L - 1}] = {last} (the last slot of request {b}) is not in a "
                        f"page of the pool (page ids 0..{capacity - 1})")
+            elif state[page] != PAGE_HELD:
+                why = (f"req_to_token[{r}, {L - 1}] = {last} (the last slot of request {b}) is on page {page}, "
+                       f"which is not held (page_state[{page}] = {state[page]}, {_state_name(state[page])}): "
+                       f"was the request released?")
+            else:
+                continued.append((b, page))
         if why:
             bad = (b, why)
             break
@@ -111,11 +161,42 @@ def alloc_verdict(req_to_token, req_pool_indices, seq_lens, num_draft, free_page
     elif pages > top:
         totals_problem = (STATUS_OUT_OF_PAGES,
                           f"out of KV pages: the batch needs {pages} pages of {page_size} slots, {top} are free")
-    return _verdict(top, capacity, bad, pages, tokens, totals_problem)
+
+    def conflict() -> Optional[str]:
+        stack = free_pages.tolist()
+        popped = {}
+        for j in range(top - 1, top - 1 - pages, -1):  # pop order
+            page = stack[j]
+            if not 0 <= page < capacity:
+                return f"free_pages[{j}] = {page}, a page this call would pop, is not a page of the pool (0..{capacity - 1})"
+            if state[page] != PAGE_FREE:
+                return (f"free_pages[{j}] = {page}, a page this call would pop, is not free (page_state[{page}] = "
+                        f"{state[page]}, {_state_name(state[page])}): the free stack and page_state disagree")
+            if page in popped:
+                return f"page {page} is twice in the part of the free stack this call pops (free_pages[{popped[page]}] and [{j}])"
+            popped[page] = j
+        owner = {}
+        for b, page in continued:
+            if page in owner:
+                return (f"requests {owner[page]} and {b} both continue page {page} (their last slots share it): "
+                        f"its free slots would go to both")
+            owner[page] = b
+        return None
+
+    return _verdict(top, capacity, bad, pages, tokens, totals_problem, conflict)
+
+
+def draft_pages(L: int, n: int, page_size: int) -> list[tuple[int, int]]:
+    """(block start, first draft position) of every page-block the draft positions L .. L+n-1
+    touch, in position order; the block's page is that of its first draft position's slot."""
+    if n == 0:
+        return []
+    first_block = L - L % page_size
+    return [(start, max(L, start)) for start in range(first_block, L + n, page_size)]
 
 
 def commit_verdict(req_to_token, req_pool_indices, seq_lens, num_draft, accept_index, accept_len,
-                   free_pages, num_free, page_size: int, max_draft: int,
+                   free_pages, num_free, page_state, page_size: int, max_draft: int,
                    kv_buffers: Sequence[torch.Tensor]) -> Verdict:
     """Whether commit_draft_slots may run on these values, and the totals it reports."""
     capacity = free_pages.numel()
@@ -124,9 +205,11 @@ def commit_verdict(req_to_token, req_pool_indices, seq_lens, num_draft, accept_i
     moves_kv = page_size > 1 and len(kv_buffers) > 0
     # Every draft slot is pushed back or kept; with moves it also indexes the KV buffers.
     slot_bound = min(capacity * page_size, kv_buffers[0].shape[0]) if moves_kv else capacity * page_size
+    state = page_state.tolist()
     bad, released, accepted = None, 0, 0
-    for b, (r, L, n, k, path) in enumerate(zip(req_pool_indices.tolist(), seq_lens.tolist(), num_draft.tolist(),
-                                               accept_len.tolist(), accept_index.tolist())):
+    requests = list(zip(req_pool_indices.tolist(), seq_lens.tolist(), num_draft.tolist(), accept_len.tolist(),
+                        accept_index.tolist()))
+    for b, (r, L, n, k, path) in enumerate(requests):
         why = _request_problem(b, r, L, n, rows, max_context, max_draft)
         if why is None:
             why = _path_problem(b, n, k, path, width, page_size > 1 and not moves_kv)
@@ -135,6 +218,12 @@ def commit_verdict(req_to_token, req_pool_indices, seq_lens, num_draft, accept_i
                 if not 0 <= slot < slot_bound:
                     why = (f"req_to_token[{r}, {L + i}] = {slot} (draft {i} of request {b}) is not a slot of "
                            f"the pool{' and kv_buffers' if moves_kv else ''} (0..{slot_bound - 1})")
+                    break
+                page = slot // page_size
+                if state[page] != PAGE_HELD:
+                    why = (f"req_to_token[{r}, {L + i}] = {slot} (draft {i} of request {b}) is on page {page}, which "
+                           f"is not held (page_state[{page}] = {state[page]}, {_state_name(state[page])}): were "
+                           f"these drafts already committed, or the request released?")
                     break
         if why:
             bad = (b, why)
@@ -147,7 +236,22 @@ def commit_verdict(req_to_token, req_pool_indices, seq_lens, num_draft, accept_i
         totals_problem = (STATUS_BAD_STACK,
                           f"the commit releases {released} pages but the stack has room for {capacity - top} "
                           f"(num_free = {top} of {capacity}): a page would be freed twice")
-    return _verdict(top, capacity, bad, released, accepted, totals_problem)
+
+    def conflict() -> Optional[str]:
+        owner = {}
+        for b, (r, L, n, _, _) in enumerate(requests):
+            for _, pos in draft_pages(L, n, page_size):
+                page = int(req_to_token[r, pos]) // page_size
+                if page in owner:
+                    b0, pos0 = owner[page]
+                    whose = (f"positions {pos0} and {pos} of request {b}" if b0 == b else
+                             f"position {pos0} of request {b0} and position {pos} of request {b}")
+                    return (f"page {page} holds the drafts of {whose} (req_to_token gives both the page): one page "
+                            f"cannot be freed or kept twice")
+                owner[page] = (b, pos)
+        return None
+
+    return _verdict(top, capacity, bad, released, accepted, totals_problem, conflict)
 
 
 def _path_problem(b, n, k, path, width, prefix_only) -> Optional[str]:
@@ -168,15 +272,16 @@ def _path_problem(b, n, k, path, width, prefix_only) -> Optional[str]:
 
 
 # --------------------------------------------------------------------------- the ops
-def alloc_draft_slots(req_to_token, req_pool_indices, seq_lens, num_draft, free_pages, num_free,
+def alloc_draft_slots(req_to_token, req_pool_indices, seq_lens, num_draft, free_pages, num_free, page_state,
                       page_size: int, max_draft: int, out_cache_loc, status) -> None:
     """Give positions seq_len_b .. seq_len_b + num_draft_b - 1 of every request a slot.
 
     A request first fills the free slots of its partially filled last page, then takes pages
-    from the top of the stack (request 0 first). out_cache_loc gets the slots in request order
-    (draft order inside a request) and -1 in entries beyond sum(num_draft). An invalid call
-    changes nothing but out_cache_loc (all -1) and status."""
-    verdict = alloc_verdict(req_to_token, req_pool_indices, seq_lens, num_draft, free_pages, num_free,
+    from the top of the stack (request 0 first); the popped pages become held in page_state.
+    out_cache_loc gets the slots in request order (draft order inside a request) and -1 in
+    entries beyond sum(num_draft). An invalid call changes nothing but out_cache_loc (all -1)
+    and status."""
+    verdict = alloc_verdict(req_to_token, req_pool_indices, seq_lens, num_draft, free_pages, num_free, page_state,
                             page_size, max_draft, out_cache_loc.numel())
     out_cache_loc.fill_(-1)
     status.copy_(torch.tensor(verdict.as_list()))
@@ -190,6 +295,7 @@ def alloc_draft_slots(req_to_token, req_pool_indices, seq_lens, num_draft, free_
             if pos % page_size == 0:  # a page boundary: take the page on top of the stack
                 page = stack[top - 1]
                 top -= 1
+                page_state[page] = PAGE_HELD
             elif pos == L:  # continue the request's partially filled last page
                 page = int(req_to_token[r, L - 1]) // page_size
             slot = page * page_size + pos % page_size
@@ -200,8 +306,8 @@ def alloc_draft_slots(req_to_token, req_pool_indices, seq_lens, num_draft, free_
 
 
 def commit_draft_slots(req_to_token, req_pool_indices, seq_lens, num_draft, accept_index, accept_len,
-                       free_pages, num_free, page_size: int, max_draft: int, kv_buffers: Sequence[torch.Tensor],
-                       new_seq_lens, status) -> None:
+                       free_pages, num_free, page_state, page_size: int, max_draft: int,
+                       kv_buffers: Sequence[torch.Tensor], new_seq_lens, status) -> None:
     """Keep the accepted path of every request's drafts and release the rest.
 
     Afterwards positions seq_len_b .. seq_len_b + accept_len_b - 1 hold the accepted drafts in
@@ -209,11 +315,11 @@ def commit_draft_slots(req_to_token, req_pool_indices, seq_lens, num_draft, acce
     copied) and the rejected slots are pushed (request order, draft order). page_size > 1: the
     accepted draft path[j] moves its KV row to the slot of position seq_len + j in every
     kv_buffers tensor, in path order (path[j] >= j, so no row is overwritten before it is read),
-    and the pages wholly beyond the new length are pushed. Entries of req_to_token beyond the
-    new lengths are left as they are. An invalid call changes nothing but new_seq_lens
-    (= seq_lens) and status."""
+    and the pages wholly beyond the new length are pushed. The pushed pages become free in
+    page_state. Entries of req_to_token beyond the new lengths are left as they are. An invalid
+    call changes nothing but new_seq_lens (= seq_lens) and status."""
     verdict = commit_verdict(req_to_token, req_pool_indices, seq_lens, num_draft, accept_index, accept_len,
-                             free_pages, num_free, page_size, max_draft, kv_buffers)
+                             free_pages, num_free, page_state, page_size, max_draft, kv_buffers)
     status.copy_(torch.tensor(verdict.as_list()))
     if verdict.code != STATUS_OK:
         new_seq_lens.copy_(seq_lens)
@@ -236,5 +342,7 @@ def commit_draft_slots(req_to_token, req_pool_indices, seq_lens, num_draft, acce
             pushed += [drafts[pos - L] // page_size for pos in range(first_free, L + n, page_size)]
     top = verdict.top
     free_pages[top:top + len(pushed)] = torch.tensor(pushed, dtype=torch.int64)
+    for page in pushed:
+        page_state[page] = PAGE_FREE
     num_free.fill_(top + len(pushed))
     new_seq_lens.copy_(seq_lens + accept_len.to(seq_lens.dtype))

@@ -6,6 +6,13 @@ the batch in chunks of BLOCK_B requests with a running prefix sum, which gives e
 offset into the free-page stack and into out_cache_loc. Integer logic only: results equal the
 reference exactly.
 
+Page state: once everything else is valid, the bookkeeping claims the call's pages (alloc: the
+pages it pops and the last pages requests continue; commit: the draft pages) with atomic
+exchanges to PAGE_MARK. Every claimed page was checked before to be in the state the call needs,
+so an exchange that returns PAGE_MARK is a page claimed twice: the call is refused and every
+claimed page is set back to that state. Otherwise the writes set each claimed page to its final
+state (popped: held; commit: released pages free, kept pages held), again by atomic exchange.
+
 Commit with page_size > 1 and KV buffers also moves the accepted drafts' KV rows in the same
 launch, with the hand-off of csrc/kv_slots/kv_slots.cu: program (b, s) moves request b's rows in
 a share s of the buffers; the first program to arrive is elected to keep the books first and
@@ -21,11 +28,15 @@ import triton.language as tl
 
 from .. import _ops
 from .reference import (
+    PAGE_FREE,
+    PAGE_HELD,
+    PAGE_MARK,
     STATUS_BAD_REQUEST,
     STATUS_BAD_STACK,
     STATUS_OK,
     STATUS_OUT_OF_PAGES,
     STATUS_OUT_TOO_SMALL,
+    STATUS_PAGE_CONFLICT,
 )
 
 _OK = tl.constexpr(STATUS_OK)
@@ -33,6 +44,10 @@ _OUT_OF_PAGES = tl.constexpr(STATUS_OUT_OF_PAGES)
 _BAD_REQUEST = tl.constexpr(STATUS_BAD_REQUEST)
 _BAD_STACK = tl.constexpr(STATUS_BAD_STACK)
 _OUT_TOO_SMALL = tl.constexpr(STATUS_OUT_TOO_SMALL)
+_PAGE_CONFLICT = tl.constexpr(STATUS_PAGE_CONFLICT)
+_FREE = tl.constexpr(PAGE_FREE)
+_HELD = tl.constexpr(PAGE_HELD)
+_MARK = tl.constexpr(PAGE_MARK)
 
 # The launch-wide hand-off (kv_slots.cu, "launch-wide hand-off"): scratch words
 # (tag << MOVE_TAG_SHIFT) | value, below 2^63.
@@ -71,38 +86,98 @@ def _first_bad(bad, b, live, ok, B):
 
 
 @triton.jit
-def _verdict(STATUS, top, capacity, bad, B, pages, tokens, totals_code):
-    """Write the status (codes and precedence as in reference._verdict); returns the code."""
+def _verdict(top, capacity, bad, B, totals_code):
+    """The code before the page state is looked at (precedence as in reference._verdict)."""
+    code = tl.where(bad < B, _BAD_REQUEST, totals_code)
+    return tl.where((top < 0) | (top > capacity), _BAD_STACK, code)
+
+
+@triton.jit
+def _write_status(STATUS, code, top, bad, B, pages, tokens):
     found = bad < B
-    pages = tl.where(found, 0, pages)
-    tokens = tl.where(found, 0, tokens)
-    code = tl.where(found, _BAD_REQUEST, totals_code)
-    code = tl.where((top < 0) | (top > capacity), _BAD_STACK, code)
     tl.store(STATUS + 0, code.to(tl.int64))
-    tl.store(STATUS + 1, pages.to(tl.int64))
+    tl.store(STATUS + 1, tl.where(found, 0, pages).to(tl.int64))
     tl.store(STATUS + 2, top.to(tl.int64))
     tl.store(STATUS + 3, tl.where(found, bad, -1).to(tl.int64))
-    tl.store(STATUS + 4, tokens.to(tl.int64))
-    return code
+    tl.store(STATUS + 4, tl.where(found, 0, tokens).to(tl.int64))
+
+
+@triton.jit
+def _set_pages(STATE, pages, mask, value):
+    """page_state[pages] = value (atomic exchange); returns whether any of them was PAGE_MARK."""
+    old = tl.atomic_xchg(STATE + pages, tl.full(pages.shape, value, tl.int32), mask=mask)
+    return tl.max(tl.ravel(tl.where(mask & (old == _MARK), 1, 0)), 0)
 
 
 # --------------------------------------------------------------------------- alloc
 @triton.jit
-def _alloc_chunk(RTT, stride_rtt, rows, max_ctx, RPI, SEQ, ND, capacity, max_draft, B, start,
-                 LOG2P: tl.constexpr, BLOCK_B: tl.constexpr):
+def _alloc_chunk(RTT, stride_rtt, rows, max_ctx, RPI, SEQ, ND, STATE, capacity, max_draft, B, start,
+                 LOG2P: tl.constexpr, BLOCK_B: tl.constexpr, CHECK_STATE: tl.constexpr):
+    """A chunk of requests: validity, and the last page each continues (`partial`). The state of
+    the continued pages is checked only while nothing is claimed (CHECK_STATE, pass 1)."""
     b, live, r, L, n, ok = _requests(rows, max_ctx, RPI, SEQ, ND, max_draft, B, start, BLOCK_B)
     P: tl.constexpr = 1 << LOG2P
     partial = ok & (n > 0) & ((L & (P - 1)) != 0)  # continues its last, partially filled page
     last_page = tl.load(RTT + r * stride_rtt + L - 1, mask=live & partial, other=0).to(tl.int64) >> LOG2P
-    ok = ok & ((partial == 0) | ((last_page >= 0) & (last_page < capacity)))
+    in_pool = (last_page >= 0) & (last_page < capacity)
+    if CHECK_STATE:
+        held = tl.load(STATE + last_page, mask=live & partial & in_pool, other=_HELD) == _HELD
+        in_pool = in_pool & held
+    ok = ok & ((partial == 0) | in_pool)
+    partial = live & partial & ok
     need = tl.where(live & ok, _pages_spanned(L, L + n, LOG2P), 0)
     n = tl.where(live & ok, n, 0)
-    return b, live, r, L, n, ok, last_page, need
+    return b, live, r, L, n, ok, last_page, need, partial
+
+
+@triton.jit
+def _alloc_claim(RTT, stride_rtt, rows, max_ctx, RPI, SEQ, ND, FREE, STATE, capacity, max_draft, B, top, pages,
+                 LOG2P: tl.constexpr, BLOCK_B: tl.constexpr, BLOCK_OUT: tl.constexpr):
+    """Claim the pages the call pops (free_pages[top - pages : top]) and the last pages requests
+    continue; returns 1 (and leaves page_state as it was) on a page conflict."""
+    # Read first: every page to pop must be a free page of the pool.
+    bad = tl.full([], 0, tl.int32)
+    for j0 in range(top - pages, top, BLOCK_OUT):
+        j = j0 + tl.arange(0, BLOCK_OUT)
+        m = j < top
+        page = tl.load(FREE + j, mask=m, other=0)
+        in_pool = (page >= 0) & (page < capacity)
+        state = tl.load(STATE + page, mask=m & in_pool, other=_FREE)
+        bad = tl.maximum(bad, tl.max(tl.where(m & ((in_pool == 0) | (state != _FREE)), 1, 0), 0))
+    if bad == 0:
+        # Claim: a popped page is free and a continued one held, so PAGE_MARK means claimed twice.
+        for j0 in range(top - pages, top, BLOCK_OUT):
+            j = j0 + tl.arange(0, BLOCK_OUT)
+            m = j < top
+            bad = tl.maximum(bad, _set_pages(STATE, tl.load(FREE + j, mask=m, other=0), m, _MARK))
+        for start in range(0, B, BLOCK_B):
+            b, live, r, L, n, ok, last_page, need, partial = _alloc_chunk(
+                RTT, stride_rtt, rows, max_ctx, RPI, SEQ, ND, STATE, capacity, max_draft, B, start, LOG2P, BLOCK_B,
+                False)
+            bad = tl.maximum(bad, _set_pages(STATE, last_page, partial, _MARK))
+        if bad != 0:  # refused: every claimed page back to the state it was checked to have
+            _alloc_settle(RTT, stride_rtt, rows, max_ctx, RPI, SEQ, ND, FREE, STATE, capacity, max_draft, B, top,
+                          pages, _FREE, LOG2P, BLOCK_B, BLOCK_OUT)
+    return bad
+
+
+@triton.jit
+def _alloc_settle(RTT, stride_rtt, rows, max_ctx, RPI, SEQ, ND, FREE, STATE, capacity, max_draft, B, top, pages,
+                  popped_state, LOG2P: tl.constexpr, BLOCK_B: tl.constexpr, BLOCK_OUT: tl.constexpr):
+    """The claimed pages' final state: the popped ones popped_state, the continued ones held."""
+    for j0 in range(top - pages, top, BLOCK_OUT):
+        j = j0 + tl.arange(0, BLOCK_OUT)
+        m = j < top
+        _set_pages(STATE, tl.load(FREE + j, mask=m, other=0), m, popped_state)
+    for start in range(0, B, BLOCK_B):
+        b, live, r, L, n, ok, last_page, need, partial = _alloc_chunk(
+            RTT, stride_rtt, rows, max_ctx, RPI, SEQ, ND, STATE, capacity, max_draft, B, start, LOG2P, BLOCK_B, False)
+        _set_pages(STATE, last_page, partial, _HELD)
 
 
 @triton.jit
 def _alloc_kernel(
-    RTT, stride_rtt, rows, max_ctx, RPI, SEQ, ND, FREE, NUM_FREE, capacity, OUT, out_capacity, STATUS,
+    RTT, stride_rtt, rows, max_ctx, RPI, SEQ, ND, FREE, NUM_FREE, STATE, capacity, OUT, out_capacity, STATUS,
     B, max_draft,
     LOG2P: tl.constexpr, BLOCK_B: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_OUT: tl.constexpr,
 ):
@@ -113,13 +188,18 @@ def _alloc_kernel(
     pages = tl.full([], 0, tl.int64)
     tokens = tl.full([], 0, tl.int64)
     for start in range(0, B, BLOCK_B):
-        b, live, r, L, n, ok, last_page, need = _alloc_chunk(
-            RTT, stride_rtt, rows, max_ctx, RPI, SEQ, ND, capacity, max_draft, B, start, LOG2P, BLOCK_B)
+        b, live, r, L, n, ok, last_page, need, partial = _alloc_chunk(
+            RTT, stride_rtt, rows, max_ctx, RPI, SEQ, ND, STATE, capacity, max_draft, B, start, LOG2P, BLOCK_B, True)
         bad = _first_bad(bad, b, live, ok, B)
         pages += tl.sum(need, 0)
         tokens += tl.sum(n, 0)
     totals_code = tl.where(tokens > out_capacity, _OUT_TOO_SMALL, tl.where(pages > top, _OUT_OF_PAGES, _OK))
-    code = _verdict(STATUS, top, capacity, bad, B, pages, tokens, totals_code)
+    code = _verdict(top, capacity, bad, B, totals_code)
+    if code == _OK:
+        if _alloc_claim(RTT, stride_rtt, rows, max_ctx, RPI, SEQ, ND, FREE, STATE, capacity, max_draft, B, top, pages,
+                        LOG2P, BLOCK_B, BLOCK_OUT) != 0:
+            code = tl.full([], _PAGE_CONFLICT, tl.int32)
+    _write_status(STATUS, code, top, bad, B, pages, tokens)
 
     # out_cache_loc beyond the slots written below (all of it on failure) reads -1.
     filled = tl.where(code == _OK, tokens, 0)
@@ -132,8 +212,9 @@ def _alloc_kernel(
         page_carry = tl.full([], 0, tl.int64)
         token_carry = tl.full([], 0, tl.int64)
         for start in range(0, B, BLOCK_B):
-            b, live, r, L, n, ok, last_page, need = _alloc_chunk(
-                RTT, stride_rtt, rows, max_ctx, RPI, SEQ, ND, capacity, max_draft, B, start, LOG2P, BLOCK_B)
+            b, live, r, L, n, ok, last_page, need, partial = _alloc_chunk(
+                RTT, stride_rtt, rows, max_ctx, RPI, SEQ, ND, STATE, capacity, max_draft, B, start, LOG2P, BLOCK_B,
+                False)
             page_off = page_carry + tl.cumsum(need, 0) - need
             token_off = token_carry + tl.cumsum(n, 0) - n
             i = tl.arange(0, BLOCK_N)[None, :].to(tl.int64)
@@ -149,6 +230,8 @@ def _alloc_kernel(
             tl.store(OUT + token_off[:, None] + i, slot, mask=item)
             page_carry += tl.sum(need, 0)
             token_carry += tl.sum(n, 0)
+        _alloc_settle(RTT, stride_rtt, rows, max_ctx, RPI, SEQ, ND, FREE, STATE, capacity, max_draft, B, top, pages,
+                      _HELD, LOG2P, BLOCK_B, BLOCK_OUT)
         tl.store(NUM_FREE, top - pages)
 
 
@@ -186,12 +269,13 @@ def _wait_for_verdict(WORD, tag, ON_GPU: tl.constexpr):
 # --------------------------------------------------------------------------- commit
 @triton.jit
 def _commit_chunk(
-    RTT, stride_rtt, rows, max_ctx, RPI, SEQ, ND, ACC, stride_acc, width, ACC_LEN, slot_bound, max_draft, B, start,
-    LOG2P: tl.constexpr, PREFIX_ONLY: tl.constexpr,
+    RTT, stride_rtt, rows, max_ctx, RPI, SEQ, ND, ACC, stride_acc, width, ACC_LEN, slot_bound, STATE, max_draft, B,
+    start, LOG2P: tl.constexpr, PREFIX_ONLY: tl.constexpr, CHECK_STATE: tl.constexpr,
     BLOCK_B: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_A: tl.constexpr,
 ):
     """Validate a chunk of requests; also returns each one's accepted-draft bit mask, its draft
-    slots [BLOCK_B, BLOCK_N] and how many pages (slots when P = 1) it releases."""
+    slots [BLOCK_B, BLOCK_N] and how many pages (slots when P = 1) it releases. CHECK_STATE: also
+    check that every draft slot is on a held page (only while nothing is claimed: pass 1)."""
     b, live, r, L, n, ok = _requests(rows, max_ctx, RPI, SEQ, ND, max_draft, B, start, BLOCK_B)
     k = tl.load(ACC_LEN + b, mask=live, other=0).to(tl.int64)
     ok = ok & (k >= 0) & (k <= n) & (k <= width)
@@ -211,7 +295,11 @@ def _commit_chunk(
     i = tl.arange(0, BLOCK_N)[None, :].to(tl.int64)
     is_draft = (live & ok)[:, None] & (i < n[:, None])
     slots = tl.load(RTT + r[:, None] * stride_rtt + L[:, None] + i, mask=is_draft, other=0).to(tl.int64)
-    ok = ok & (tl.min(tl.where(is_draft, (slots >= 0) & (slots < slot_bound), 1).to(tl.int32), 1) > 0)
+    in_pool = (slots >= 0) & (slots < slot_bound)
+    if CHECK_STATE:
+        held = tl.load(STATE + (slots >> LOG2P), mask=is_draft & in_pool, other=_HELD) == _HELD
+        in_pool = in_pool & held
+    ok = ok & (tl.min(tl.where(is_draft, in_pool, 1).to(tl.int32), 1) > 0)
     if LOG2P == 0:
         released = n - k
     else:
@@ -222,9 +310,38 @@ def _commit_chunk(
 
 
 @triton.jit
+def _set_draft_pages(RTT, stride_rtt, STATE, r, L, n, k, mask, slots, live, MODE: tl.constexpr,
+                     LOG2P: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_Q: tl.constexpr):
+    """The draft pages of a chunk of requests (reference.draft_pages): MODE 0 claims them
+    (PAGE_MARK), 1 sets them back to held, 2 sets their final state (released: free, kept:
+    held). Returns whether a claim found a page claimed already."""
+    P: tl.constexpr = 1 << LOG2P
+    if LOG2P == 0:
+        i = tl.arange(0, BLOCK_N)[None, :].to(tl.int64)
+        is_draft = live[:, None] & (i < n[:, None])
+        pages = slots
+        keep = ((mask[:, None] >> i) & 1) != 0
+    else:
+        q = tl.arange(0, BLOCK_Q)[None, :].to(tl.int64)
+        block = ((L >> LOG2P) << LOG2P)[:, None] + q * P  # first position of each page-block
+        first = tl.maximum(block, L[:, None])  # its first draft position
+        is_draft = live[:, None] & (n[:, None] > 0) & (first < (L + n)[:, None])
+        pages = tl.load(RTT + r[:, None] * stride_rtt + first, mask=is_draft, other=0).to(tl.int64) >> LOG2P
+        keep = block < (((L + k + P - 1) >> LOG2P) << LOG2P)[:, None]
+    if MODE == 0:
+        value = tl.full(pages.shape, _MARK, tl.int32)
+    elif MODE == 1:
+        value = tl.full(pages.shape, _HELD, tl.int32)
+    else:
+        value = tl.where(keep, _HELD, _FREE).to(tl.int32)
+    old = tl.atomic_xchg(STATE + pages, value, mask=is_draft)
+    return tl.max(tl.max(tl.where(is_draft & (old == _MARK), 1, 0), 1), 0)
+
+
+@triton.jit
 def _commit_books(
     RTT, stride_rtt, rows, max_ctx, RPI, SEQ, ND, ACC, stride_acc, width, ACC_LEN, slot_bound,
-    FREE, NUM_FREE, capacity, NEW_SEQ, STATUS, B, max_draft, SYNC, tag,
+    FREE, NUM_FREE, STATE, capacity, NEW_SEQ, STATUS, B, max_draft, SYNC, tag,
     LOG2P: tl.constexpr, PREFIX_ONLY: tl.constexpr, MOVES: tl.constexpr,
     BLOCK_B: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_A: tl.constexpr, BLOCK_Q: tl.constexpr,
 ):
@@ -235,13 +352,29 @@ def _commit_books(
     accepted = tl.full([], 0, tl.int64)
     for start in range(0, B, BLOCK_B):
         b, live, r, L, n, k, ok, mask, slots, rel = _commit_chunk(
-            RTT, stride_rtt, rows, max_ctx, RPI, SEQ, ND, ACC, stride_acc, width, ACC_LEN, slot_bound, max_draft,
-            B, start, LOG2P, PREFIX_ONLY, BLOCK_B, BLOCK_N, BLOCK_A)
+            RTT, stride_rtt, rows, max_ctx, RPI, SEQ, ND, ACC, stride_acc, width, ACC_LEN, slot_bound, STATE,
+            max_draft, B, start, LOG2P, PREFIX_ONLY, True, BLOCK_B, BLOCK_N, BLOCK_A)
         bad = _first_bad(bad, b, live, ok, B)
         released += tl.sum(rel, 0)
         accepted += tl.sum(k, 0)
-    code = _verdict(STATUS, top, capacity, bad, B, released, accepted,
-                    tl.where(top + released > capacity, _BAD_STACK, _OK))
+    code = _verdict(top, capacity, bad, B, tl.where(top + released > capacity, _BAD_STACK, _OK))
+    if code == _OK:
+        # Claim the draft pages (all checked held): PAGE_MARK back means a page claimed twice.
+        twice = tl.full([], 0, tl.int32)
+        for start in range(0, B, BLOCK_B):
+            b, live, r, L, n, k, ok, mask, slots, rel = _commit_chunk(
+                RTT, stride_rtt, rows, max_ctx, RPI, SEQ, ND, ACC, stride_acc, width, ACC_LEN, slot_bound, STATE,
+                max_draft, B, start, LOG2P, PREFIX_ONLY, False, BLOCK_B, BLOCK_N, BLOCK_A)
+            twice = tl.maximum(twice, _set_draft_pages(RTT, stride_rtt, STATE, r, L, n, k, mask, slots, live, 0,
+                                                       LOG2P, BLOCK_N, BLOCK_Q))
+        if twice != 0:  # refused: every claimed page back to held
+            for start in range(0, B, BLOCK_B):
+                b, live, r, L, n, k, ok, mask, slots, rel = _commit_chunk(
+                    RTT, stride_rtt, rows, max_ctx, RPI, SEQ, ND, ACC, stride_acc, width, ACC_LEN, slot_bound, STATE,
+                    max_draft, B, start, LOG2P, PREFIX_ONLY, False, BLOCK_B, BLOCK_N, BLOCK_A)
+                _set_draft_pages(RTT, stride_rtt, STATE, r, L, n, k, mask, slots, live, 1, LOG2P, BLOCK_N, BLOCK_Q)
+            code = tl.full([], _PAGE_CONFLICT, tl.int32)
+    _write_status(STATUS, code, top, bad, B, released, accepted)
     if MOVES:  # every program waits for this; it also publishes the zeroed count of finished ones
         tl.atomic_xchg(SYNC + 2, tag << _TAG_SHIFT)
         tl.atomic_xchg(SYNC + 1, (tag << _TAG_SHIFT) + code.to(tl.int64))
@@ -250,10 +383,11 @@ def _commit_books(
     for start in range(0, B, BLOCK_B):
         if code == _OK:
             b, live, r, L, n, k, ok, mask, slots, rel = _commit_chunk(
-                RTT, stride_rtt, rows, max_ctx, RPI, SEQ, ND, ACC, stride_acc, width, ACC_LEN, slot_bound, max_draft,
-                B, start, LOG2P, PREFIX_ONLY, BLOCK_B, BLOCK_N, BLOCK_A)
+                RTT, stride_rtt, rows, max_ctx, RPI, SEQ, ND, ACC, stride_acc, width, ACC_LEN, slot_bound, STATE,
+                max_draft, B, start, LOG2P, PREFIX_ONLY, False, BLOCK_B, BLOCK_N, BLOCK_A)
             push_at = top + carry + tl.cumsum(rel, 0) - rel  # request b pushes after requests 0..b-1
             row = r[:, None] * stride_rtt
+            _set_draft_pages(RTT, stride_rtt, STATE, r, L, n, k, mask, slots, live, 2, LOG2P, BLOCK_N, BLOCK_Q)
             if LOG2P == 0:
                 # Accepted draft i moves to position L + (accepted drafts before it); rejected ones
                 # are pushed in draft order. All slots were read above, before any is overwritten.
@@ -292,8 +426,8 @@ def _move_kv_rows(
     once the bookkeeping has accepted the whole call (waits for its verdict in any case: the count
     of finished programs is valid only after it)."""
     b, live, r, L, n, k, ok, mask, slots, rel = _commit_chunk(
-        RTT, stride_rtt, rows, max_ctx, RPI, SEQ, ND, ACC, stride_acc, width, ACC_LEN, slot_bound, max_draft,
-        B, req, LOG2P, False, 1, BLOCK_N, BLOCK_A)
+        RTT, stride_rtt, rows, max_ctx, RPI, SEQ, ND, ACC, stride_acc, width, ACC_LEN, slot_bound, KV_TABLE, max_draft,
+        B, req, LOG2P, False, False, 1, BLOCK_N, BLOCK_A)  # (the page state is the bookkeeper's: not read here)
     k = tl.sum(k, 0)  # 0 when the request is invalid: nothing moves
     r = tl.sum(r, 0)
     L = tl.sum(L, 0)
@@ -327,7 +461,7 @@ def _move_kv_rows(
 @triton.jit(do_not_specialize=["tag"])
 def _commit_kernel(
     RTT, stride_rtt, rows, max_ctx, RPI, SEQ, ND, ACC, stride_acc, width, ACC_LEN, slot_bound,
-    FREE, NUM_FREE, capacity, NEW_SEQ, STATUS, B, max_draft,
+    FREE, NUM_FREE, STATE, capacity, NEW_SEQ, STATUS, B, max_draft,
     KV_TABLE, num_buffers, num_shares, SYNC, tag,
     LOG2P: tl.constexpr, PREFIX_ONLY: tl.constexpr, UNIT_BYTES: tl.constexpr, MOVES: tl.constexpr,
     ON_GPU: tl.constexpr, BLOCK_B: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_A: tl.constexpr, BLOCK_Q: tl.constexpr,
@@ -337,7 +471,7 @@ def _commit_kernel(
         tag = tag.to(tl.int64)
         if _elect_bookkeeper(SYNC, tag):  # see the module docstring
             _commit_books(RTT, stride_rtt, rows, max_ctx, RPI, SEQ, ND, ACC, stride_acc, width, ACC_LEN, slot_bound,
-                          FREE, NUM_FREE, capacity, NEW_SEQ, STATUS, B, max_draft, SYNC, tag,
+                          FREE, NUM_FREE, STATE, capacity, NEW_SEQ, STATUS, B, max_draft, SYNC, tag,
                           LOG2P, PREFIX_ONLY, MOVES, BLOCK_B, BLOCK_N, BLOCK_A, BLOCK_Q)
         pid = tl.program_id(0)
         _move_kv_rows(RTT, stride_rtt, rows, max_ctx, RPI, SEQ, ND, ACC, stride_acc, width, ACC_LEN, slot_bound,
@@ -349,7 +483,7 @@ def _commit_kernel(
                 tl.atomic_xchg(SYNC + i, 0)
     else:
         _commit_books(RTT, stride_rtt, rows, max_ctx, RPI, SEQ, ND, ACC, stride_acc, width, ACC_LEN, slot_bound,
-                      FREE, NUM_FREE, capacity, NEW_SEQ, STATUS, B, max_draft, SYNC, tag,
+                      FREE, NUM_FREE, STATE, capacity, NEW_SEQ, STATUS, B, max_draft, SYNC, tag,
                       LOG2P, PREFIX_ONLY, MOVES, BLOCK_B, BLOCK_N, BLOCK_A, BLOCK_Q)
 
 
@@ -363,13 +497,13 @@ def _chunk(num_requests: int) -> int:
     return min(triton.next_power_of_2(max(num_requests, 1)), 64)
 
 
-def alloc_draft_slots(req_to_token, req_pool_indices, seq_lens, num_draft, free_pages, num_free,
+def alloc_draft_slots(req_to_token, req_pool_indices, seq_lens, num_draft, free_pages, num_free, page_state,
                       page_size: int, max_draft: int, out_cache_loc, status) -> None:
     """Arguments as reference.alloc_draft_slots (already checked for metadata)."""
     B = req_pool_indices.numel()
     _alloc_kernel[(1,)](
         req_to_token, req_to_token.stride(0), req_to_token.shape[0], req_to_token.shape[1],
-        req_pool_indices, seq_lens, num_draft, free_pages, num_free, free_pages.numel(),
+        req_pool_indices, seq_lens, num_draft, free_pages, num_free, page_state, free_pages.numel(),
         out_cache_loc, out_cache_loc.numel(), status, B, max_draft,
         LOG2P=page_size.bit_length() - 1, BLOCK_B=_chunk(B), BLOCK_N=triton.next_power_of_2(max_draft),
         BLOCK_OUT=256, num_warps=_WARPS,
@@ -377,7 +511,7 @@ def alloc_draft_slots(req_to_token, req_pool_indices, seq_lens, num_draft, free_
 
 
 def commit_draft_slots(req_to_token, req_pool_indices, seq_lens, num_draft, accept_index, accept_len,
-                       free_pages, num_free, page_size: int, max_draft: int, kv_table, new_seq_lens, status,
+                       free_pages, num_free, page_state, page_size: int, max_draft: int, kv_table, new_seq_lens, status,
                        num_shares: int = 1, move_sync=None, move_tag: int = 0) -> None:
     """Arguments as reference.commit_draft_slots, except the KV buffers: kv_table is the
     KvTable of api.py (or None); num_shares splits each request's buffers over that many programs;
@@ -398,7 +532,7 @@ def commit_draft_slots(req_to_token, req_pool_indices, seq_lens, num_draft, acce
     _commit_kernel[grid](
         req_to_token, req_to_token.stride(0), req_to_token.shape[0], req_to_token.shape[1],
         req_pool_indices, seq_lens, num_draft, accept_index, accept_index.stride(0), width, accept_len, slot_bound,
-        free_pages, num_free, capacity, new_seq_lens, status, B, max_draft,
+        free_pages, num_free, page_state, capacity, new_seq_lens, status, B, max_draft,
         kv_table.table if moves else free_pages, kv_table.num_buffers if moves else 0, num_shares,
         move_sync if moves else free_pages, move_tag if moves else 1 << 32,
         LOG2P=log2p, PREFIX_ONLY=page_size > 1 and not moves, UNIT_BYTES=min(kv_table.unit_bytes, 8) if moves else 1,
