@@ -24,7 +24,7 @@ if not HAS_GPU:
 def pytest_collection_modifyitems(config, items):
     if HAS_GPU:
         return
-    skip = pytest.mark.skip(reason="needs a CUDA GPU (scripts/gpu_check.sh runs these on a device)")
+    skip = pytest.mark.skip(reason="needs a CUDA GPU (scripts/gpu_check.sh runs these on a GPU machine)")
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
