@@ -4,11 +4,32 @@ Two kinds, with different costs and guarantees:
 
 * metadata checks (type, rank, shape, dtype, device, contiguity) are free and always run, also
   under FakeTensorMode and torch.compile;
-* value checks (index ranges, indptr consistency) must read tensor contents. They always run on
-  CPU tensors. On CUDA tensors they would cost a host sync per call, so they run only in debug
-  mode (``SPEC_KERNELS_DEBUG=1`` or ``spec_kernels.set_debug_checks(True)``) and never during
-  CUDA graph capture or compilation. The kernels never read or write out of bounds on invalid
-  values, but results for such inputs are unspecified.
+* value checks (index ranges, indptr consistency, tree-mask bits) must read tensor contents.
+  They always run on CPU tensors. On CUDA tensors they would cost a host sync per call, so they
+  run only in debug mode (``SPEC_KERNELS_DEBUG=1`` or ``spec_kernels.set_debug_checks(True)``)
+  and never during CUDA graph capture or compilation.
+
+The indptr rules (checked by the functions below, each ValueError naming the argument):
+
+* a query indptr (``qo_indptr``) partitions the query rows: ``[0] == 0``, non-decreasing,
+  ``[-1] == T``;
+* a KV indptr (``kv_indptr``) points into ``kv_indices``, which may be a larger buffer, so it
+  may start at an offset: ``[0] >= 0``, non-decreasing, ``[-1] <= len(kv_indices)``.
+
+What the attention kernels do with unchecked invalid values (CUDA outside debug mode). Every
+implementation (reference, Triton, CUDA) follows these rules, so they agree on such input too,
+and none reads or writes out of bounds:
+
+* request b's KV positions are ``[lo, hi)`` with ``lo = clamp(kv_indptr[b], 0, N)`` and
+  ``hi = clamp(kv_indptr[b+1], lo, N)``, N = len(kv_indices): a range that decreases or lies
+  outside kv_indices is cut to what lies inside (possibly nothing);
+* its query rows are ``[lo, hi)`` with ``lo = clamp(qo_indptr[b], 0, T)`` and
+  ``hi = clamp(qo_indptr[b+1], lo, T)``; only its first min(n_b, max_draft_tokens or 64) drafts
+  are computed. Rows that no request claims get unspecified values (left unwritten without KV
+  splits; the split merge writes every row); rows that two requests claim get either's result;
+* a slot id outside [0, S) reads as a zero K and V row (a key with logit 0);
+* draft i sees draft j only if j <= i: tree-mask bits of later drafts (and so of drafts at or
+  past n_b) are ignored.
 """
 from __future__ import annotations
 
@@ -87,17 +108,61 @@ def check_shape(t: torch.Tensor, name: str, expected: tuple, meaning: str = "") 
         raise ValueError(f"{name} must have shape {tuple(expected)}{extra}, got {tuple(t.shape)}")
 
 
-def check_indptr_values(indptr: torch.Tensor, name: str, total: int, total_name: str) -> list[int]:
-    """indptr must start at 0, never decrease, and end at `total`. Returns it as a list."""
-    vals = indptr.tolist()
-    if vals[0] != 0:
-        raise ValueError(f"{name}[0] must be 0, got {vals[0]}")
+def _check_non_decreasing(vals: list[int], name: str) -> None:
     for b in range(len(vals) - 1):
         if vals[b + 1] < vals[b]:
             raise ValueError(f"{name} must be non-decreasing, but {name}[{b + 1}]={vals[b + 1]} < {name}[{b}]={vals[b]}")
+
+
+def check_indptr_values(indptr: torch.Tensor, name: str, total: int, total_name: str) -> list[int]:
+    """A query indptr: must start at 0, never decrease, and end at `total`. Returns it as a list."""
+    vals = indptr.tolist()
+    if vals[0] != 0:
+        raise ValueError(f"{name}[0] must be 0, got {vals[0]}")
+    _check_non_decreasing(vals, name)
     if vals[-1] != total:
         raise ValueError(f"{name}[-1] must equal {total_name} = {total}, got {vals[-1]}")
     return vals
+
+
+def check_offset_indptr_values(indptr: torch.Tensor, name: str, limit: int, limit_name: str) -> list[int]:
+    """An indptr into a buffer of `limit` entries that may start at an offset: indptr[0] >= 0,
+    never decreasing, indptr[-1] <= limit. Returns it as a list."""
+    vals = indptr.tolist()
+    if vals[0] < 0:
+        raise ValueError(f"{name}[0] must be >= 0 (an offset into {limit_name}), got {vals[0]}")
+    _check_non_decreasing(vals, name)
+    if vals[-1] > limit:
+        raise ValueError(f"{name}[-1]={vals[-1]} exceeds the length of {limit_name} ({limit})")
+    return vals
+
+
+def check_tree_mask_values(tree_mask: torch.Tensor, qo: list[int], name: str = "tree_mask") -> None:
+    """Row qo[b] + i of `tree_mask` (draft i of request b, with n_b = qo[b+1] - qo[b] drafts)
+    may only set bits 0..i: itself and earlier drafts (its ancestors). `qo` is a checked query
+    indptr. Raises a ValueError naming the first bad row: a bit at or past n_b, or a later draft."""
+    T = tree_mask.numel()
+    if T == 0:
+        return
+    counts = torch.tensor([qo[b + 1] - qo[b] for b in range(len(qo) - 1)], dtype=torch.int64)
+    starts = torch.tensor(qo[:-1], dtype=torch.int64)
+    words = tree_mask.to("cpu", torch.int64)
+    draft = torch.arange(T) - torch.repeat_interleave(starts, counts, output_size=T)
+    # bits 0..i of row i: 2^(i+1) - 1, all 64 bits at i >= 63 (i >= 64 is rejected elsewhere)
+    allowed = torch.where(draft >= 63, torch.full_like(draft, -1), (1 << (draft.clamp(max=62) + 1)) - 1)
+    bad = (words & ~allowed) != 0
+    if not bool(bad.any()):
+        return
+    t = int(bad.nonzero()[0])
+    b = int(torch.searchsorted(torch.tensor(qo[1:]), t, right=True))
+    i, n = int(draft[t]), qo[b + 1] - qo[b]
+    extra = [j for j in range(64) if (int(words[t]) >> j) & 1 and j > i]
+    j = extra[0]
+    if j >= n:
+        raise ValueError(f"{name}[{t}] (request {b}, draft {i}) has bit {j} set, but request {b} has only {n} "
+                         f"draft tokens: bits at or past n_b must be 0")
+    raise ValueError(f"{name}[{t}] (request {b}, draft {i}) has bit {j} set: draft {j} comes later, so it cannot "
+                     f"be an ancestor (a draft sees only itself and earlier drafts)")
 
 
 def check_index_range(idx: torch.Tensor, name: str, upper: int, upper_name: str) -> None:

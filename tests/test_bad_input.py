@@ -53,6 +53,13 @@ def test_valid_case_runs(case):
     # values
     (lambda c: dict(qo_indptr=torch.tensor([0, 3, 2], dtype=torch.int32)), ValueError, "qo_indptr must be non-decreasing"),
     (lambda c: dict(qo_indptr=torch.tensor([1, 4, 6], dtype=torch.int32)), ValueError, r"qo_indptr\[0\] must be 0"),
+    (lambda c: dict(qo_indptr=torch.tensor([-2, 4, 6], dtype=torch.int32)), ValueError, r"qo_indptr\[0\] must be 0"),
+    (lambda c: dict(qo_indptr=torch.tensor([0, 4, 7], dtype=torch.int32)), ValueError,
+     r"qo_indptr\[-1\] must equal q.shape\[0\] = 6"),
+    (lambda c: dict(kv_indptr=torch.tensor([-3, 8, 10], dtype=torch.int32)), ValueError,
+     r"kv_indptr\[0\] must be >= 0 \(an offset into kv_indices\), got -3"),
+    (lambda c: dict(kv_indptr=torch.tensor([0, 14, 10], dtype=torch.int32)), ValueError,
+     r"kv_indptr must be non-decreasing, but kv_indptr\[2\]=10 < kv_indptr\[1\]=14"),
     (lambda c: dict(kv_indptr=torch.tensor([0, 3, 8], dtype=torch.int32)), ValueError,
      "request 0 has 4 draft tokens but only 3 KV slots"),
     (lambda c: dict(kv_indptr=torch.tensor([0, 14, 99], dtype=torch.int32)), ValueError, "exceeds the length of kv_indices"),
@@ -84,3 +91,38 @@ def test_decode_bad_input(case):
                                       case.kv_indices)
     with pytest.raises(ValueError, match="kv_indices values must be in"):
         spec_kernels.decode_attention(q, case.k_cache, case.v_cache, case.kv_indptr, case.kv_indices - 100)
+
+
+def test_decode_negative_kv_indptr_is_rejected(case):
+    q = case.q[:2].contiguous()
+    for bad, match in (([-3, 3, 6], r"kv_indptr\[0\] must be >= 0"), ([-2, -1, 6], r"kv_indptr\[0\] must be >= 0"),
+                       ([0, -1, 6], "kv_indptr must be non-decreasing")):
+        with pytest.raises(ValueError, match=match):
+            spec_kernels.decode_attention(q, case.k_cache, case.v_cache, torch.tensor(bad, dtype=torch.int32),
+                                          case.kv_indices)
+
+
+# Tree-mask words: row qo[b] + i (draft i of request b) may set bits 0..i only (itself and
+# earlier drafts). The case has requests of 4 and 2 drafts (rows 0-3 and 4-5).
+@pytest.mark.parametrize("row,bits,match", [
+    (0, 1 << 1, r"tree_mask\[0\] \(request 0, draft 0\) has bit 1 set: draft 1 comes later"),
+    (2, 1 << 3, r"tree_mask\[2\] \(request 0, draft 2\) has bit 3 set: draft 3 comes later"),
+    (3, 1 << 4, r"tree_mask\[3\] \(request 0, draft 3\) has bit 4 set, but request 0 has only 4 draft tokens"),
+    (4, 1 << 2, r"tree_mask\[4\] \(request 1, draft 0\) has bit 2 set, but request 1 has only 2 draft tokens"),
+    (5, -2**63, r"tree_mask\[5\] \(request 1, draft 1\) has bit 63 set"),
+])
+def test_tree_mask_bits_of_later_drafts_are_rejected(case, row, bits, match):
+    mask = case.tree_mask.clone()
+    mask[row] |= bits
+    with pytest.raises(ValueError, match=match):
+        _call(case, tree_mask=mask)
+
+
+def test_tree_mask_may_leave_out_the_draft_itself_and_ancestors(case):
+    # Fewer bits than the ancestors (even none: the row then sees only the prefix) are valid.
+    mask = case.tree_mask.clone()
+    mask[0] = 0
+    mask[5] = 0b01  # request 1, draft 1: only draft 0
+    assert torch.isfinite(_call(case, tree_mask=mask)).all()
+    full = torch.tensor([0b1, 0b11, 0b111, 0b1111, 0b1, 0b11])  # chains: every earlier draft
+    assert torch.isfinite(_call(case, tree_mask=full)).all()

@@ -14,7 +14,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 import spec_kernels
 from spec_kernels.mla import mla_decode_attention, mla_tree_verify_attention, triton_kernel
 from spec_kernels.mla.api import MLA
-from tree_cases import ancestor_mask_bits, random_parents, visible_slots
+from tree_cases import ancestor_mask_bits, mask_visible_slots, random_parents, visible_slots
 
 ATOL = 2e-3  # fp32 compute
 
@@ -406,3 +406,236 @@ def test_gpu_cuda_is_the_default_and_graph_capturable():
     torch.cuda.synchronize()
     assert not torch.equal(captured, eager)
     torch.testing.assert_close(captured, run(), atol=0, rtol=0)
+
+
+# ----------------------------------------------------------------------------- non-finite inputs
+# As for tree_verify_attention: a NaN/inf logit among the keys a row sees (its query, or the cached
+# row of such a slot: the latent part is K and V, the rope part K only) makes the row's output and
+# lse NaN; a row that sees nothing gets zeros and lse = -inf.
+def _mla_nonfinite_case(dv=128, dr=32, dtype=torch.float32, device="cpu"):
+    case = make_mla_case([4, 3, 2], [12, 5, 0], heads=3, dv=dv, dr=dr, kind="chain", dtype=dtype, seed=31)
+    kv = case.kv_indices.tolist()
+    nan, inf = float("nan"), float("inf")
+    case.q[1, 2, 10] = nan  # request 0, draft 1, head 2
+    case.kv_cache[kv[3], dv + 5] = inf  # request 0's prefix, rope part: every row of request 0
+    case.kv_cache[kv[16 + 5 + 1], dv + 1] = -inf  # request 1's draft 1, rope part: the rows that see it
+    case.tree_mask[7] = 0  # request 2 (empty prefix), draft 0: sees nothing ...
+    case.q[7] = nan  # ... so neither its NaN query ...
+    case.kv_cache[kv[24 + 1], :dv] = nan  # ... nor draft 1's NaN latent (V) reaches it; draft 1 sees it
+    return MlaCase(*(t.to(device) if isinstance(t, torch.Tensor) else t for t in vars(case).values()))
+
+
+def _mla_expected_nonfinite(case, decode=False):
+    q, kv = case.q.cpu().double(), case.kv_cache.cpu().double()
+    T, H, _ = q.shape
+    row_nan = torch.zeros(T, H, dtype=torch.bool)
+    seen = torch.zeros(T, H, dtype=torch.bool)
+    cpu = MlaCase(*(t.cpu() if isinstance(t, torch.Tensor) else t for t in vars(case).values()))
+    for t, rows in mask_visible_slots(cpu, decode):
+        seen[t] = True
+        row_nan[t] = (~torch.isfinite(q[t])).any(-1) | (~torch.isfinite(kv[rows])).any()
+    return row_nan, seen
+
+
+@pytest.mark.filterwarnings("ignore::RuntimeWarning")  # NaN through numpy (interpreter)
+@pytest.mark.parametrize("impl,splits", [("reference", None), ("triton", None), ("triton", 3)])
+def test_nan_and_inf_inputs_give_nan_rows(impl, splits):
+    case = _mla_nonfinite_case()
+    row_nan, seen = _mla_expected_nonfinite(case)
+    assert row_nan.sum() >= 14 and (~seen).sum() == 3
+    out, lse = mla_tree_verify_attention(*case.args, v_head_dim=128, return_lse=True, impl=impl,
+                                         num_kv_splits=splits)
+    assert torch.equal(torch.isnan(lse), row_nan)
+    assert torch.equal(torch.isnan(out), row_nan[..., None].expand_as(out))
+    assert torch.all(out[~seen] == 0) and torch.all(lse[~seen] == float("-inf"))
+    clean = make_mla_case([4, 3, 2], [12, 5, 0], heads=3, dv=128, dr=32, kind="chain", seed=31)
+    clean.tree_mask[7] = 0
+    want, want_lse = mla_tree_verify_attention(*clean.args, v_head_dim=128, return_lse=True, impl="reference")
+    ok = seen & ~row_nan
+    torch.testing.assert_close(out[ok], want[ok], atol=ATOL, rtol=0)
+    torch.testing.assert_close(lse[ok], want_lse[ok], atol=ATOL, rtol=0)
+
+
+@pytest.mark.filterwarnings("ignore::RuntimeWarning")
+@pytest.mark.parametrize("impl,splits", [("reference", None), ("triton", 2)])
+def test_decode_nan_inputs(impl, splits):
+    case = make_mla_case([1] * 3, [0, 9, 40], heads=4, dv=128, dr=32, seed=32)
+    kv = case.kv_indices.tolist()
+    case.kv_indptr[1] = 0  # request 0 has no KV slot ...
+    case.q[0] = float("nan")  # ... so its NaN query does not matter
+    case.q[1, 3, 0] = float("nan")  # request 1, head 3
+    case.kv_cache[kv[11 + 7], 50] = -float("inf")  # request 2 (slots 11..51): every head
+    out, lse = mla_decode_attention(*case.decode_args, v_head_dim=128, return_lse=True, impl=impl,
+                                    num_kv_splits=splits)
+    row_nan, seen = _mla_expected_nonfinite(case, decode=True)
+    assert row_nan.sum() == 5 and (~seen).sum() == 4
+    assert torch.equal(torch.isnan(lse), row_nan)
+    assert torch.equal(torch.isnan(out), row_nan[..., None].expand_as(out))
+    assert torch.all(out[0] == 0) and torch.all(lse[0] == float("-inf"))
+
+
+# ----------------------------------------------------------------------------- unchecked index values
+def _mla_invalid_cases():
+    base = make_mla_case([3, 2, 4, 1], [10, 0, 20, 5], heads=2, dv=128, dr=32, seed=33)
+    g = torch.Generator().manual_seed(33)
+    i32 = dict(dtype=torch.int32)
+    bad_slots = base.kv_indices.clone()
+    bad_slots[[2, 20, 44]] = torch.tensor([-7, 10**6, base.kv_cache.shape[0]], dtype=bad_slots.dtype)
+    changes = {
+        "negative_kv_indptr": dict(kv_indptr=torch.tensor([-3, 13, 15, 39, 45], **i32)),
+        "negative_qo_and_kv": dict(qo_indptr=torch.tensor([0, -1, 5, 9, 10], **i32),
+                                   kv_indptr=torch.tensor([0, -4, 15, 39, 45], **i32)),
+        "decreasing_kv_indptr": dict(kv_indptr=torch.tensor([0, 13, 15, 2, 45], **i32)),
+        "unordered_qo_indptr": dict(qo_indptr=torch.tensor([6, 8, 2, 5, 6], **i32)),
+        "kv_indptr_past_the_end": dict(kv_indptr=torch.tensor([0, 13, 15, 39, 10**6], **i32)),
+        "bad_slot_ids": dict(kv_indices=bad_slots),
+        "garbage_mask_bits": dict(tree_mask=torch.randint(-2**63, 2**63 - 1, (10,), generator=g)),
+        "more_drafts_than_the_bound": dict(max_draft_tokens=2),
+    }
+    return {name: {**dict(q=base.q, kv_cache=base.kv_cache, kv_indptr=base.kv_indptr, kv_indices=base.kv_indices,
+                          qo_indptr=base.qo_indptr, tree_mask=base.tree_mask, max_draft_tokens=0), **c}
+            for name, c in changes.items()}
+
+
+MLA_INVALID = _mla_invalid_cases()
+
+
+def _claimed(qo_indptr, bound, T=10):
+    qo, claimed = qo_indptr.tolist(), torch.zeros(T, dtype=torch.bool)
+    for b in range(len(qo) - 1):
+        lo = min(max(qo[b], 0), T)
+        claimed[lo:min(min(max(qo[b + 1], lo), T), lo + bound)] = True
+    return claimed
+
+
+@pytest.mark.parametrize("name", list(MLA_INVALID))
+@pytest.mark.parametrize("splits", [1, 3])
+def test_triton_and_reference_agree_on_unchecked_invalid_indices(name, splits):
+    from spec_kernels.mla import reference
+
+    c = MLA_INVALID[name]
+    args = [c[k] for k in ("q", "kv_cache", "kv_indptr", "kv_indices", "qo_indptr", "tree_mask")]
+    with pytest.raises(ValueError):  # what the API says about it on CPU
+        mla_tree_verify_attention(*args, v_head_dim=128, max_draft_tokens=c["max_draft_tokens"] or None)
+    claimed = _claimed(c["qo_indptr"], c["max_draft_tokens"] or 64)
+    assert claimed.sum() >= 4
+    outs = {}
+    for impl in ("reference", "triton"):
+        out, lse = torch.full((10, 2, 128), 7.0), torch.full((10, 2), 7.0)
+        if impl == "reference":
+            reference.mla_tree_verify_attention(*args, 0.1, 128, out, lse, c["max_draft_tokens"])
+        else:
+            triton_kernel.mla_tree_verify_attention(*args, 0.1, 128, out, lse, num_kv_splits=splits,
+                                                    max_draft_tokens=c["max_draft_tokens"])
+        assert torch.isfinite(out[claimed]).all()
+        if splits == 1:  # without a merge pass, rows no request claims are not written
+            assert torch.all(out[~claimed] == 7.0)
+        outs[impl] = (out[claimed], lse[claimed])
+    torch.testing.assert_close(outs["triton"][0], outs["reference"][0], atol=ATOL, rtol=0)
+    torch.testing.assert_close(outs["triton"][1], outs["reference"][1], atol=ATOL, rtol=0)
+
+
+@pytest.mark.parametrize("kv_indptr", [[-3, 3, 6], [-2, -1, 6], [0, 7, 3]])
+def test_decode_unchecked_invalid_kv_indptr(kv_indptr, small):
+    from spec_kernels.mla import reference
+
+    kv_indptr = torch.tensor(kv_indptr, dtype=torch.int32)
+    args = (small.q[:2].contiguous(), small.kv_cache, kv_indptr, small.kv_indices)
+    with pytest.raises(ValueError, match="kv_indptr"):
+        mla_decode_attention(*args, v_head_dim=128)
+    ref, ref_lse = torch.empty(2, 4, 128), torch.empty(2, 4)
+    reference.mla_tree_verify_attention(*args, None, None, 0.1, 128, ref, ref_lse)
+    out, lse = torch.empty(2, 4, 128), torch.empty(2, 4)
+    triton_kernel.mla_tree_verify_attention(*args, None, None, 0.1, 128, out, lse, num_kv_splits=2)
+    torch.testing.assert_close(out, ref, atol=ATOL, rtol=0)
+    torch.testing.assert_close(lse, ref_lse, atol=ATOL, rtol=0)
+
+
+@pytest.mark.parametrize("make_bad,match", [
+    (lambda c: dict(kv_indptr=torch.tensor([-3, 8, 10], dtype=torch.int32)), r"kv_indptr\[0\] must be >= 0"),
+    (lambda c: dict(qo_indptr=torch.tensor([-1, 4, 6], dtype=torch.int32)), r"qo_indptr\[0\] must be 0"),
+    (lambda c: dict(tree_mask=c.tree_mask | torch.tensor([0, 0, 0, 0, 1 << 2, 0])),
+     r"tree_mask\[4\] \(request 1, draft 0\) has bit 2 set, but request 1 has only 2 draft tokens"),
+    (lambda c: dict(tree_mask=c.tree_mask | torch.tensor([0, 1 << 3, 0, 0, 0, 0])),
+     r"tree_mask\[1\] \(request 0, draft 1\) has bit 3 set: draft 3 comes later"),
+])
+def test_bad_index_values_and_mask_bits(small, make_bad, match):
+    with pytest.raises(ValueError, match=match):
+        _call(small, **make_bad(small))
+
+
+def test_decode_negative_kv_indptr_is_rejected(small):
+    for bad in ([-3, 3, 6], [-2, -1, 6]):
+        with pytest.raises(ValueError, match=r"kv_indptr\[0\] must be >= 0"):
+            mla_decode_attention(small.q[:2].contiguous(), small.kv_cache, torch.tensor(bad, dtype=torch.int32),
+                                 small.kv_indices, v_head_dim=128)
+
+
+# ----------------------------------------------------------------------------- GPU: the rules above
+@pytest.mark.gpu
+@pytest.mark.parametrize("impl", ["cuda", "triton"])
+@pytest.mark.parametrize("splits", [None, 1, 3])
+def test_gpu_nan_and_inf_inputs_give_nan_rows(impl, splits):
+    case = _mla_nonfinite_case(dv=512, dr=64, dtype=torch.bfloat16, device="cuda")
+    row_nan, seen = _mla_expected_nonfinite(case)
+    out, lse = mla_tree_verify_attention(*case.args, return_lse=True, impl=impl, num_kv_splits=splits)
+    out, lse = out.float().cpu(), lse.cpu()
+    assert torch.equal(torch.isnan(lse), row_nan)
+    assert torch.equal(torch.isnan(out), row_nan[..., None].expand_as(out))
+    assert torch.all(out[~seen] == 0) and torch.all(lse[~seen] == float("-inf"))
+    ref, ref_lse = mla_tree_verify_attention(*case.args, return_lse=True, impl="reference")
+    torch.testing.assert_close(out, ref.float().cpu(), atol=2e-2, rtol=2e-2, equal_nan=True)
+    torch.testing.assert_close(lse, ref_lse.cpu(), atol=2e-2, rtol=2e-2, equal_nan=True)
+    args = (case.q[:3].contiguous(), case.kv_cache, case.kv_indptr, case.kv_indices)  # decode: one query each
+    dec, dec_lse = mla_decode_attention(*args, return_lse=True, impl=impl, num_kv_splits=splits)
+    want, want_lse = mla_decode_attention(*args, return_lse=True, impl="reference")
+    assert torch.isnan(dec_lse).any()
+    torch.testing.assert_close(dec.float(), want.float(), atol=2e-2, rtol=2e-2, equal_nan=True)
+    torch.testing.assert_close(dec_lse, want_lse, atol=2e-2, rtol=2e-2, equal_nan=True)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", list(MLA_INVALID))
+@pytest.mark.parametrize("splits", [1, 3])
+def test_gpu_cuda_and_reference_agree_on_unchecked_invalid_indices(name, splits):
+    from spec_kernels.mla import cuda as cuda_binding
+    from spec_kernels.mla import reference
+
+    c = MLA_INVALID[name]
+    g = torch.Generator().manual_seed(34)  # the CUDA kernel is built for 576 = 512 + 64
+    q = torch.randn(10, 2, 576, generator=g).to("cuda", torch.bfloat16)
+    kv_cache = torch.randn(c["kv_cache"].shape[0], 576, generator=g).to("cuda", torch.bfloat16)
+    args = [q, kv_cache] + [c[k].cuda() for k in ("kv_indptr", "kv_indices", "qo_indptr", "tree_mask")]
+    claimed = _claimed(c["qo_indptr"], c["max_draft_tokens"] or 64)
+    outs = {}
+    for impl in ("reference", "cuda"):
+        out = torch.full((10, 2, 512), 7.0, dtype=torch.bfloat16, device="cuda")
+        lse = torch.full((10, 2), 7.0, device="cuda")
+        if impl == "reference":
+            reference.mla_tree_verify_attention(*args, 0.05, 512, out, lse, c["max_draft_tokens"])
+        else:
+            cuda_binding.mla_tree_verify_attention(*args, 0.05, 512, out, lse, num_kv_splits=splits,
+                                                   max_draft_tokens=c["max_draft_tokens"])
+        torch.cuda.synchronize()
+        outs[impl] = (out.float().cpu()[claimed], lse.cpu()[claimed])
+    assert torch.isfinite(outs["cuda"][0]).all()
+    torch.testing.assert_close(outs["cuda"][0], outs["reference"][0], atol=2e-2, rtol=2e-2)
+    torch.testing.assert_close(outs["cuda"][1], outs["reference"][1], atol=2e-2, rtol=2e-2)
+
+
+@pytest.mark.gpu
+def test_gpu_debug_mode_checks_index_values_and_mask_bits():
+    case = make_mla_case([4, 2], [10, 3], heads=8, dtype=torch.bfloat16, seed=35, device="cuda")
+    bad_mask = case.tree_mask.clone()
+    bad_mask[4] |= 1 << 2  # request 1 has 2 drafts
+    spec_kernels.set_debug_checks(True)
+    try:
+        with pytest.raises(ValueError, match=r"kv_indptr\[0\] must be >= 0"):
+            mla_tree_verify_attention(case.q, case.kv_cache, torch.tensor([-3, 8, 19], dtype=torch.int32,
+                                                                          device="cuda"), *case.args[3:])
+        with pytest.raises(ValueError, match=r"tree_mask\[4\] \(request 1, draft 0\) has bit 2 set"):
+            mla_tree_verify_attention(*case.args[:5], bad_mask)
+    finally:
+        spec_kernels.set_debug_checks(None)
+    out = mla_tree_verify_attention(*case.args[:5], bad_mask)  # unchecked: runs, bits ignored
+    torch.testing.assert_close(out, mla_tree_verify_attention(*case.args), atol=0, rtol=0)

@@ -56,6 +56,69 @@ def test_bad_shapes_and_counts_are_rejected():
         spec_kernels.tree_mask_from_parents(torch.full((3,), -1), torch.tensor([0, 3]))
 
 
+@pytest.mark.parametrize("qo,match", [
+    ([-1, 3], r"qo_indptr\[0\] must be 0, got -1"),
+    ([0, 2, 1, 3], r"qo_indptr must be non-decreasing, but qo_indptr\[2\]=1 < qo_indptr\[1\]=2"),
+    ([0, 4], r"qo_indptr\[-1\] must equal parents.shape\[0\] = 3, got 4"),
+])
+def test_bad_qo_indptr_values_are_rejected(qo, match):
+    with pytest.raises(ValueError, match=match):
+        spec_kernels.tree_mask_from_parents(torch.tensor([-1, 0, 1]), torch.tensor(qo, dtype=torch.int32))
+
+
+# Unchecked qo_indptr values (CUDA outside debug mode): every implementation cuts request b's rows
+# to [lo, hi), lo = clamp(qo[b], 0, T), hi = clamp(qo[b+1], lo, T), and leaves rows no request
+# claims unwritten; a request's rows are its drafts 0, 1, ... (more than 64: empty words).
+UNCHECKED_QO = {
+    "negative_start": [-3, 2, 5, 9],
+    "past_the_end": [0, 3, 40],
+    "unordered": [6, 9, 1, 5],  # rows 6-8, none, 1-4; rows 0 and 5 unclaimed
+}
+
+
+def _claimed_rows(qo, T):
+    rows = []
+    for b in range(len(qo) - 1):
+        lo = min(max(qo[b], 0), T)
+        rows.append((lo, min(max(qo[b + 1], lo), T)))
+    return rows
+
+
+@pytest.mark.parametrize("name", ["negative_start", "past_the_end", "unordered"])
+def test_reference_on_unchecked_qo_indptr(name):
+    from spec_kernels.tree_verify import reference
+
+    T = 9
+    parents = torch.tensor([-1, 0, 1, 0, -1, 4, 5, 5, 0])
+    qo = torch.tensor(UNCHECKED_QO[name], dtype=torch.int32)
+    with pytest.raises(ValueError, match="qo_indptr"):
+        spec_kernels.tree_mask_from_parents(parents, qo)
+    got = torch.full((T,), 12345, dtype=torch.int64)
+    reference.tree_mask_from_parents(parents, qo, got)
+    written = torch.zeros(T, dtype=torch.bool)
+    for lo, hi in _claimed_rows(qo.tolist(), T):
+        local = parents[lo:hi].clone()
+        local[local >= torch.arange(hi - lo)] = -1  # a link that does not point backwards ends the walk
+        want = ancestor_mask_bits(local, torch.tensor([0, hi - lo], dtype=torch.int32))
+        assert torch.equal(got[lo:hi], want)
+        written[lo:hi] = True
+    assert torch.all(got[~written] == 12345) and (~written).any() == (name == "unordered")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", ["negative_start", "past_the_end", "unordered"])
+def test_gpu_cuda_matches_reference_on_unchecked_qo_indptr(name):
+    from spec_kernels.tree_verify import reference
+
+    parents = torch.tensor([-1, 0, 1, 0, -1, 4, 5, 5, 0], device="cuda")
+    qo = torch.tensor(UNCHECKED_QO[name], dtype=torch.int32, device="cuda")
+    want = torch.full((9,), 12345, dtype=torch.int64, device="cuda")
+    reference.tree_mask_from_parents(parents, qo, want)
+    got = torch.full((9,), 12345, dtype=torch.int64, device="cuda")
+    torch.ops.spec_kernels_cuda.tree_mask_from_parents(parents, qo, got)
+    assert torch.equal(got.cpu(), want.cpu())
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("kind", TREE_KINDS)
 def test_gpu_cuda_matches_reference(kind):

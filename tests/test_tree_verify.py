@@ -4,8 +4,8 @@ import pytest
 import torch
 
 import spec_kernels
-from spec_kernels.tree_verify import triton_kernel
-from tree_cases import make_case, naive_attention
+from spec_kernels.tree_verify import reference, triton_kernel
+from tree_cases import make_case, mask_visible_slots, naive_attention
 
 ATOL = 2e-3  # the issue's bound for fp32 compute
 
@@ -296,3 +296,273 @@ def test_gpu_cuda_is_the_default_for_half_inputs():
     assert TREE_VERIFY.select(case.q.device, None, args=case.args[:3])[0] == "cuda"
     q32 = case.q.float()
     assert TREE_VERIFY.select(case.q.device, None, args=(q32, case.k_cache.float(), case.v_cache.float()))[0] == "triton"
+
+
+# ----------------------------------------------------------------------------- non-finite inputs
+# The rule (docstrings): a NaN/inf logit among the keys a row sees (NaN/inf in its query or in the
+# K row of such a slot) makes the row's output and lse NaN; NaN in a V row the row sees makes that
+# output column NaN; a row that sees nothing gets zeros and lse = -inf, whatever its query holds.
+def _nonfinite_case(d=64, dtype=torch.float32, device="cpu"):
+    """Three requests (drafts 5 / 3 / 2 after prefixes 40 / 6 / 0, chains) with NaN and inf put
+    in q, K and V; returns the case and the bad entries, described by (token, head) / slot."""
+    case = make_case([5, 3, 2], [40, 6, 0], hq=4, hkv=2, d=d, kind="chain", dtype=dtype, seed=21)
+    kv = case.kv_indices.tolist()
+    case.q[1, 2, 5] = float("nan")  # request 0, draft 1, head 2
+    case.k_cache[kv[10], 0, 3] = float("inf")  # request 0's prefix, KV head 0 (query heads 0-1)
+    case.k_cache[kv[45 + 6 + 1], 1, 0] = -float("inf")  # request 1's draft 1, KV head 1 (heads 2-3)
+    case.v_cache[kv[45 + 2], 0, 7] = float("nan")  # request 1's prefix, KV head 0, column 7
+    case.tree_mask[8] = 0  # request 2 (empty prefix), draft 0: sees nothing ...
+    case.q[8] = float("nan")  # ... so its NaN query does not matter
+    case.v_cache[kv[54 + 1], :, :] = float("nan")  # request 2's draft 1: draft 0 does not see it
+    return type(case)(*(t.to(device) for t in vars(case).values()))
+
+
+def _expected_nonfinite(case, decode=False):
+    """From the definition (visible slots per row): NaN rows, NaN columns, unseen rows."""
+    q, k, v = case.q.cpu().double(), case.k_cache.cpu().double(), case.v_cache.cpu().double()
+    T, hq, _ = q.shape
+    group = hq // k.shape[1]
+    row_nan = torch.zeros(T, hq, dtype=torch.bool)
+    col_nan = torch.zeros(T, hq, v.shape[2], dtype=torch.bool)
+    seen = torch.zeros(T, hq, dtype=torch.bool)
+    cpu_case = type(case)(*(t.cpu() for t in vars(case).values()))
+    for t, rows in mask_visible_slots(cpu_case, decode):
+        for h in range(hq):
+            seen[t, h] = True
+            row_nan[t, h] = bool((~torch.isfinite(q[t, h])).any() or (~torch.isfinite(k[rows, h // group])).any())
+            col_nan[t, h] = torch.isnan(v[rows, h // group]).any(0)
+    return row_nan, col_nan, seen
+
+
+@pytest.mark.filterwarnings("ignore::RuntimeWarning")  # NaN through numpy (interpreter)
+@pytest.mark.parametrize("impl,splits", [("reference", None), ("triton", None), ("triton", 3)])
+def test_nan_and_inf_inputs_give_nan_rows(impl, splits):
+    case = _nonfinite_case()
+    row_nan, col_nan, seen = _expected_nonfinite(case)
+    assert row_nan.sum() >= 10 and col_nan.any() and (~seen).any()  # the case exercises every rule
+    out, lse = spec_kernels.tree_verify_attention(*case.args, return_lse=True, impl=impl, num_kv_splits=splits)
+    assert torch.equal(torch.isnan(lse), row_nan)
+    assert torch.equal(torch.isnan(out), row_nan[..., None] | col_nan)
+    assert torch.all(out[~seen] == 0) and torch.all(lse[~seen] == float("-inf"))
+    # rows that see no bad value are the clean computation: compare with inputs made finite there
+    clean = make_case([5, 3, 2], [40, 6, 0], hq=4, hkv=2, kind="chain", seed=21)
+    clean.tree_mask[8] = 0
+    want, want_lse = spec_kernels.tree_verify_attention(*clean.args, return_lse=True, impl="reference")
+    ok = seen & ~row_nan & ~col_nan.any(-1)
+    torch.testing.assert_close(out[ok], want[ok], atol=ATOL, rtol=0)
+    torch.testing.assert_close(lse[ok], want_lse[ok], atol=ATOL, rtol=0)
+    if impl == "triton":
+        ref, ref_lse = spec_kernels.tree_verify_attention(*case.args, return_lse=True, impl="reference")
+        torch.testing.assert_close(out, ref, atol=ATOL, rtol=0, equal_nan=True)
+        torch.testing.assert_close(lse, ref_lse, atol=ATOL, rtol=0, equal_nan=True)
+
+
+@pytest.mark.filterwarnings("ignore::RuntimeWarning")
+@pytest.mark.parametrize("impl,splits", [("reference", None), ("triton", None), ("triton", 2)])
+def test_decode_nan_inputs(impl, splits):
+    case = make_case([1] * 4, [0, 9, 70, 33], hq=4, hkv=2, seed=22)
+    kv = case.kv_indices.tolist()
+    case.q[1, 3, 0] = float("nan")  # request 1, head 3
+    case.k_cache[kv[11 + 5], 0, 1] = -float("inf")  # request 2 (slots 11..81), KV head 0: heads 0-1
+    case.v_cache[kv[82 + 2], 1, 4] = float("nan")  # request 3 (slots 82..115), KV head 1: column 4 of heads 2-3
+    case.kv_indptr[1] = 0  # request 0 has no KV slot (request 1 takes its slot) ...
+    case.q[0] = float("nan")  # ... so it gets zeros and lse -inf, whatever its query
+    args = (case.q, case.k_cache, case.v_cache, case.kv_indptr, case.kv_indices)
+    out, lse = spec_kernels.decode_attention(*args, return_lse=True, impl=impl, num_kv_splits=splits)
+    row_nan, col_nan, seen = _expected_nonfinite(case, decode=True)
+    assert row_nan.sum() == 3 and col_nan.sum() == 2 and (~seen).sum() == 4
+    assert torch.equal(torch.isnan(lse), row_nan)
+    assert torch.equal(torch.isnan(out), row_nan[..., None] | col_nan)
+    assert torch.all(out[0] == 0) and torch.all(lse[0] == float("-inf"))
+
+
+# ----------------------------------------------------------------------------- unchecked index values
+# What the API rejects on CPU (and on CUDA in debug mode) reaches the kernels unchecked on CUDA.
+# Every implementation cuts indptr ranges to the tensors, reads bad slot ids as zero rows, ignores
+# mask bits of later drafts and leaves drafts past the launch's bound unwritten: they agree.
+def _invalid_index_cases():
+    base = make_case([3, 2, 4, 1], [10, 0, 20, 5], hq=4, hkv=2, kind="random", seed=23)
+    g = torch.Generator().manual_seed(23)
+    cases = {}
+
+    def variant(name, **changes):
+        cases[name] = {**dict(q=base.q, k_cache=base.k_cache, v_cache=base.v_cache, kv_indptr=base.kv_indptr,
+                              kv_indices=base.kv_indices, qo_indptr=base.qo_indptr, tree_mask=base.tree_mask,
+                              max_draft_tokens=0), **changes}
+
+    i32 = dict(dtype=torch.int32)
+    variant("negative_kv_indptr", kv_indptr=torch.tensor([-3, 13, 15, 39, 45], **i32))
+    variant("negative_qo_and_kv", qo_indptr=torch.tensor([0, -1, 5, 9, 10], **i32),
+            kv_indptr=torch.tensor([0, -4, 15, 39, 45], **i32))
+    variant("decreasing_kv_indptr", kv_indptr=torch.tensor([0, 13, 15, 2, 45], **i32))
+    # out of order and not from 0: requests claim rows 6-7, none, 2-4, 5; rows 0, 1, 8, 9 stay unwritten
+    variant("unordered_qo_indptr", qo_indptr=torch.tensor([6, 8, 2, 5, 6], **i32))
+    variant("kv_indptr_past_the_end", kv_indptr=torch.tensor([0, 13, 15, 39, 10**6], **i32))
+    variant("qo_indptr_past_the_end", qo_indptr=torch.tensor([0, 3, 5, 9, 40], **i32))
+    bad_slots = base.kv_indices.clone()
+    bad_slots[[2, 20, 44]] = torch.tensor([-7, 10**6, base.k_cache.shape[0]], dtype=bad_slots.dtype)
+    variant("bad_slot_ids", kv_indices=bad_slots)
+    variant("garbage_mask_bits", tree_mask=torch.randint(-2**63, 2**63 - 1, (10,), generator=g))
+    variant("more_drafts_than_the_bound", max_draft_tokens=2)
+    return cases
+
+
+INVALID_CASES = _invalid_index_cases()
+
+
+@pytest.mark.parametrize("name", list(INVALID_CASES))
+@pytest.mark.parametrize("splits", [1, 3])
+def test_triton_and_reference_agree_on_unchecked_invalid_indices(name, splits):
+    c = INVALID_CASES[name]
+    with pytest.raises(ValueError):  # what the API says about it on CPU
+        spec_kernels.tree_verify_attention(*(c[k] for k in ("q", "k_cache", "v_cache", "kv_indptr", "kv_indices",
+                                                             "qo_indptr", "tree_mask")),
+                                           max_draft_tokens=c["max_draft_tokens"] or None)
+    outs = {}
+    for impl in ("reference", "triton"):
+        out = torch.full((10, 4, 64), 7.0)
+        lse = torch.full((10, 4), 7.0)
+        args = (c["q"], c["k_cache"], c["v_cache"], c["kv_indptr"], c["kv_indices"], c["qo_indptr"], c["tree_mask"],
+                0.125, out, lse)
+        if impl == "reference":
+            reference.tree_verify_attention(*args, c["max_draft_tokens"])
+        else:
+            triton_kernel.tree_verify_attention(*args, num_kv_splits=splits, max_draft_tokens=c["max_draft_tokens"])
+        outs[impl] = (out, lse)
+    # the rows some request claims (its query range cut to [0, T), its first max_draft_tokens
+    # drafts); the others get unspecified values (with KV splits, the merge writes every row)
+    qo, bound = c["qo_indptr"].tolist(), c["max_draft_tokens"] or 64
+    claimed = torch.zeros(10, dtype=torch.bool)
+    for b in range(4):
+        lo = min(max(qo[b], 0), 10)
+        hi = min(max(qo[b + 1], lo), 10)
+        claimed[lo:min(hi, lo + bound)] = True
+    assert claimed.sum() >= 4
+    for impl, (out, lse) in outs.items():
+        assert torch.isfinite(out[claimed]).all(), impl
+        if splits == 1:
+            assert torch.all(out[~claimed] == 7.0) and torch.all(lse[~claimed] == 7.0), impl
+    torch.testing.assert_close(outs["triton"][0][claimed], outs["reference"][0][claimed], atol=ATOL, rtol=0)
+    torch.testing.assert_close(outs["triton"][1][claimed], outs["reference"][1][claimed], atol=ATOL, rtol=0)
+
+
+@pytest.mark.parametrize("kv_indptr", [[-3, 3, 6], [-2, -1, 6], [0, 7, 3], [4, 2, 9]])
+@pytest.mark.parametrize("splits", [1, 2])
+def test_decode_unchecked_invalid_kv_indptr(kv_indptr, splits):
+    case = make_case([1, 1], [4, 4], hq=4, hkv=2, seed=24)
+    kv_indptr = torch.tensor(kv_indptr, dtype=torch.int32)
+    args = (case.q, case.k_cache, case.v_cache, kv_indptr, case.kv_indices)
+    with pytest.raises(ValueError, match="kv_indptr"):
+        spec_kernels.decode_attention(*args)
+    ref, ref_lse = torch.empty(2, 4, 64), torch.empty(2, 4)
+    reference.tree_verify_attention(*args, None, None, 0.125, ref, ref_lse)
+    out, lse = torch.empty(2, 4, 64), torch.empty(2, 4)
+    triton_kernel.tree_verify_attention(*args, None, None, 0.125, out, lse, num_kv_splits=splits)
+    torch.testing.assert_close(out, ref, atol=ATOL, rtol=0)
+    torch.testing.assert_close(lse, ref_lse, atol=ATOL, rtol=0)
+    # the cut ranges: request b reads kv_indices[lo:hi] cut to [0, 10)
+    lo = [min(max(kv_indptr[b].item(), 0), 10) for b in range(2)]
+    hi = [min(max(kv_indptr[b + 1].item(), lo[b]), 10) for b in range(2)]
+    for b in range(2):
+        if hi[b] == lo[b]:
+            assert torch.all(out[b] == 0) and torch.all(lse[b] == float("-inf"))
+        else:
+            want = spec_kernels.decode_attention(case.q[b:b + 1], case.k_cache, case.v_cache,
+                                                 torch.tensor([0, hi[b] - lo[b]], dtype=torch.int32),
+                                                 case.kv_indices[lo[b]:hi[b]].contiguous(), sm_scale=0.125,
+                                                 impl="reference")
+            torch.testing.assert_close(out[b:b + 1], want, atol=ATOL, rtol=0)
+
+
+def test_kv_indptr_may_start_at_an_offset():
+    # kv_indices as a window of a larger buffer: kv_indptr[0] > 0 is allowed (and checked >= 0).
+    case = make_case([4, 2], [10, 3], hq=4, hkv=2, seed=25)
+    want = spec_kernels.tree_verify_attention(*case.args, impl="reference")
+    pad = torch.full((5,), 10**6, dtype=case.kv_indices.dtype)  # never read: outside every range
+    kv_indices = torch.cat([pad, case.kv_indices, pad])
+    kv_indptr = case.kv_indptr + 5
+    for impl in ("reference", "triton"):
+        got = spec_kernels.tree_verify_attention(case.q, case.k_cache, case.v_cache, kv_indptr, kv_indices,
+                                                 case.qo_indptr, case.tree_mask, impl=impl)
+        torch.testing.assert_close(got, want, atol=ATOL, rtol=0)
+
+
+# ----------------------------------------------------------------------------- GPU: the rules above
+@pytest.mark.gpu
+@pytest.mark.parametrize("impl", ["cuda", "triton"])
+@pytest.mark.parametrize("splits", [None, 1, 3])
+def test_gpu_nan_and_inf_inputs_give_nan_rows(impl, splits):
+    case = _nonfinite_case(d=128, dtype=torch.bfloat16, device="cuda")
+    row_nan, col_nan, seen = _expected_nonfinite(case)
+    out, lse = spec_kernels.tree_verify_attention(*case.args, return_lse=True, impl=impl, num_kv_splits=splits)
+    out, lse = out.float().cpu(), lse.cpu()
+    assert torch.equal(torch.isnan(lse), row_nan)
+    assert torch.equal(torch.isnan(out), row_nan[..., None] | col_nan)
+    assert torch.all(out[~seen] == 0) and torch.all(lse[~seen] == float("-inf"))
+    ref, ref_lse = spec_kernels.tree_verify_attention(*case.args, return_lse=True, impl="reference")
+    torch.testing.assert_close(out, ref.float().cpu(), atol=2e-2, rtol=2e-2, equal_nan=True)
+    torch.testing.assert_close(lse, ref_lse.cpu(), atol=2e-2, rtol=2e-2, equal_nan=True)
+
+    args = (case.q[:3].contiguous(), case.k_cache, case.v_cache, case.kv_indptr, case.kv_indices)  # one query each
+    dec, dec_lse = spec_kernels.decode_attention(*args, return_lse=True, impl=impl, num_kv_splits=splits)
+    want, want_lse = spec_kernels.decode_attention(*args, return_lse=True, impl="reference")
+    assert torch.isnan(dec_lse).any() and torch.isnan(dec).any()
+    torch.testing.assert_close(dec.float(), want.float(), atol=2e-2, rtol=2e-2, equal_nan=True)
+    torch.testing.assert_close(dec_lse, want_lse, atol=2e-2, rtol=2e-2, equal_nan=True)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", list(INVALID_CASES))
+@pytest.mark.parametrize("splits", [1, 3])
+def test_gpu_cuda_and_reference_agree_on_unchecked_invalid_indices(name, splits):
+    from spec_kernels.tree_verify import cuda as cuda_binding
+
+    c = {k: (v.cuda() if isinstance(v, torch.Tensor) else v) for k, v in INVALID_CASES[name].items()}
+    for key in ("q", "k_cache", "v_cache"):
+        c[key] = c[key].to(torch.bfloat16)
+    qo, bound = c["qo_indptr"].tolist(), c["max_draft_tokens"] or 64
+    claimed = torch.zeros(10, dtype=torch.bool)
+    for b in range(4):
+        lo = min(max(qo[b], 0), 10)
+        claimed[lo:min(min(max(qo[b + 1], lo), 10), lo + bound)] = True
+    outs = {}
+    for impl in ("reference", "cuda"):
+        out = torch.full((10, 4, 64), 7.0, dtype=torch.bfloat16, device="cuda")
+        lse = torch.full((10, 4), 7.0, device="cuda")
+        args = (c["q"], c["k_cache"], c["v_cache"], c["kv_indptr"], c["kv_indices"], c["qo_indptr"], c["tree_mask"],
+                0.125, out, lse)
+        if impl == "reference":
+            reference.tree_verify_attention(*args, c["max_draft_tokens"])
+        else:
+            cuda_binding.tree_verify_attention(*args, num_kv_splits=splits, max_draft_tokens=c["max_draft_tokens"])
+        torch.cuda.synchronize()
+        outs[impl] = (out.float().cpu()[claimed], lse.cpu()[claimed])
+    assert torch.isfinite(outs["cuda"][0]).all()
+    torch.testing.assert_close(outs["cuda"][0], outs["reference"][0], atol=2e-2, rtol=2e-2)
+    torch.testing.assert_close(outs["cuda"][1], outs["reference"][1], atol=2e-2, rtol=2e-2)
+
+
+@pytest.mark.gpu
+def test_gpu_debug_mode_checks_index_values_and_mask_bits():
+    case = make_case([4, 2], [10, 3], hq=4, hkv=2, d=128, dtype=torch.bfloat16, seed=26, device="cuda")
+    bad_kv = torch.tensor([-3, 8, 20], dtype=torch.int32, device="cuda")
+    bad_mask = case.tree_mask.clone()
+    bad_mask[1] |= 1 << 3  # draft 1 sees draft 3: a later draft
+    spec_kernels.set_debug_checks(True)
+    try:
+        with pytest.raises(ValueError, match=r"kv_indptr\[0\] must be >= 0"):
+            spec_kernels.tree_verify_attention(case.q, case.k_cache, case.v_cache, bad_kv, case.kv_indices,
+                                               case.qo_indptr, case.tree_mask)
+        with pytest.raises(ValueError, match=r"tree_mask\[1\] \(request 0, draft 1\) has bit 3 set"):
+            spec_kernels.tree_verify_attention(case.q, case.k_cache, case.v_cache, case.kv_indptr, case.kv_indices,
+                                               case.qo_indptr, bad_mask)
+        with pytest.raises(ValueError, match="kv_indptr must be non-decreasing"):
+            spec_kernels.decode_attention(case.q[:2].contiguous(), case.k_cache, case.v_cache,
+                                          torch.tensor([0, 9, 3], dtype=torch.int32, device="cuda"), case.kv_indices)
+    finally:
+        spec_kernels.set_debug_checks(None)
+    # outside debug mode the same call runs (no host sync), in bounds
+    out = spec_kernels.tree_verify_attention(case.q, case.k_cache, case.v_cache, bad_kv, case.kv_indices,
+                                             case.qo_indptr, bad_mask)
+    torch.cuda.synchronize()
+    assert out.shape == (6, 4, 128)

@@ -113,6 +113,26 @@ def visible_slots(case, decode: bool = False):
                 yield qo[b] + i, slots[visible]
 
 
+def mask_visible_slots(case, decode=False):
+    """Yield (query token, slot ids it sees) from the tree-mask words (unlike visible_slots,
+    which walks the parents): the whole prefix, and draft j iff bit j of the row's word is set
+    (the words must hold no later-draft bits). Queries that see nothing are skipped. `case` on CPU
+    with kv_indptr, kv_indices, qo_indptr and tree_mask."""
+    kv = case.kv_indptr.tolist()
+    qo = list(range(len(kv))) if decode else case.qo_indptr.tolist()
+    for b in range(len(kv) - 1):
+        slots = case.kv_indices[kv[b]:kv[b + 1]].long()
+        n = qo[b + 1] - qo[b]
+        for i in range(n):
+            if decode:
+                visible = list(range(len(slots)))
+            else:
+                word = int(case.tree_mask[qo[b] + i])
+                visible = list(range(len(slots) - n)) + [len(slots) - n + j for j in range(n) if (word >> j) & 1]
+            if visible:
+                yield qo[b] + i, slots[visible]
+
+
 def naive_attention(case: Case, sm_scale: float | None = None, decode: bool = False):
     """Float64 softmax attention with a dense list of visible slots per query, written
     independently of spec_kernels' reference (no bit tricks, no log-sum-exp)."""

@@ -15,13 +15,12 @@ import torch
 from .._checks import (
     FLOAT_DTYPES,
     INDEX_DTYPES,
-    check_indptr_values,
     check_shape,
     check_tensor,
     values_checkable,
 )
 from .._ops import op_impls
-from ..tree_verify.api import _check_kv_values, _check_out, _scale
+from ..tree_verify.api import _check_draft_values, _check_kv_values, _check_out, _scale
 from ..tree_verify.launch_plan import MAX_KV_SPLITS
 from ..tree_verify.reference import MAX_DRAFT_TOKENS
 from . import cuda as cuda_binding
@@ -41,7 +40,7 @@ def _mla_reference(q, kv_cache, kv_indptr, kv_indices, qo_indptr, tree_mask, sm_
                    num_kv_splits=0, max_draft_tokens=0):
     # The reference is exact and loops over requests: no splits, no launch sizing.
     reference.mla_tree_verify_attention(q, kv_cache, kv_indptr, kv_indices, qo_indptr, tree_mask, sm_scale,
-                                        v_head_dim, out, lse)
+                                        v_head_dim, out, lse, max_draft_tokens)
 
 
 @torch.library.custom_op("spec_kernels::mla_tree_verify_attention", mutates_args=("out", "lse"))
@@ -99,18 +98,6 @@ def _check_inputs(q, kv_cache, kv_indptr, kv_indices, v_head_dim) -> torch.Tenso
     return kv_cache.view(kv_cache.shape[0], D)
 
 
-def _check_draft_values(qo_indptr, kv_indptr, kv_indices, num_tokens: int, num_slots: int,
-                        max_draft_tokens: Optional[int]) -> None:
-    qo = check_indptr_values(qo_indptr, "qo_indptr", num_tokens, "q.shape[0]")
-    counts = [qo[b + 1] - qo[b] for b in range(len(qo) - 1)]
-    bound = max_draft_tokens or MAX_DRAFT_TOKENS
-    if counts and max(counts) > bound:
-        b = max(range(len(counts)), key=counts.__getitem__)
-        what = "max_draft_tokens" if max_draft_tokens else "are supported"
-        raise ValueError(f"qo_indptr: request {b} has {counts[b]} draft tokens, at most {bound} {what}")
-    _check_kv_values(kv_indptr.tolist(), kv_indices, num_slots, counts)
-
-
 # --------------------------------------------------------------------------- public API
 def mla_tree_verify_attention(
     q: torch.Tensor,
@@ -139,15 +126,22 @@ def mla_tree_verify_attention(
     Batch layout exactly as in :func:`spec_kernels.tree_verify_attention`: request b owns queries
     ``q[qo_indptr[b]:qo_indptr[b+1]]`` (its n_b draft tokens, 0 <= n_b <= 64) and KV slots
     ``kv_indices[kv_indptr[b]:kv_indptr[b+1]]``, first its prefix (visible to every draft), then
-    its n_b draft slots; draft i sees draft j iff bit j of ``tree_mask[qo_indptr[b] + i]`` is set.
+    its n_b draft slots; draft i sees draft j iff bit j of ``tree_mask[qo_indptr[b] + i]`` is set
+    (bits 0..i only: the draft itself and earlier drafts). The indptr and mask rules, the
+    handling of unchecked invalid values and of NaN / inf inputs are those of
+    :func:`spec_kernels.tree_verify_attention`; the cached row is K (all D values) and V (its
+    first v_head_dim values), so NaN / inf in the latent part of a row a query sees makes that
+    query's whole output and lse NaN, in the rope part as well.
 
     Args:
         q: [T, H, D] fp16/bf16/fp32 absorbed queries (latent part, then rope part), request-major;
             1 <= H <= 128. D = v_head_dim + rope dim: 576 = 512 + 64 (CUDA kernel); the Triton
             kernel and the reference also take latent dims (128, 256, 512) x rope dims (32, 64).
         kv_cache: [S, D] or [S, 1, D], q's dtype, contiguous (SGLang's MLATokenToKVPool buffer).
-        kv_indptr: int32 [B+1]. kv_indices: int32 or int64 slot ids in [0, S).
-        qo_indptr: int32 [B+1]. tree_mask: int64 [T] (see spec_kernels.tree_mask_from_parents).
+        kv_indptr: int32 [B+1], non-decreasing, kv_indptr[0] >= 0 (an offset into kv_indices),
+            kv_indptr[-1] <= len(kv_indices). kv_indices: int32 or int64 slot ids in [0, S).
+        qo_indptr: int32 [B+1], qo_indptr[0] == 0, non-decreasing, qo_indptr[-1] == T.
+        tree_mask: int64 [T] (see spec_kernels.tree_mask_from_parents).
         sm_scale: softmax scale, default 1/sqrt(D). DeepSeek-V3 / Kimi K2.5 scale by
             1/sqrt(qk_nope_head_dim + qk_rope_head_dim) (x the YaRN mscale^2): pass the layer's.
         v_head_dim: the value (latent) width, default 512.
@@ -163,11 +157,12 @@ def mla_tree_verify_attention(
         A query that sees no key (empty prefix and an empty mask row) gets zeros and lse = -inf.
 
     Guarantees: every input's dtype, device, rank, shape and contiguity is checked
-    (ValueError/TypeError naming it). Index values (indptr consistency, n_b <= 64, slot ranges)
-    are checked on CPU tensors, and on CUDA tensors in debug mode (SPEC_KERNELS_DEBUG=1) since
-    that needs a host sync; without the check, invalid values give unspecified results for the
-    requests concerned but the kernels bound every index they read or write (slot ids by S,
-    positions by len(kv_indices), tokens by T), so they never access memory out of bounds. GPU
+    (ValueError/TypeError naming it). Index values (indptr rules, n_b <= 64, slot ranges, mask
+    bits of later drafts) are checked on CPU tensors, and on CUDA tensors in debug mode
+    (SPEC_KERNELS_DEBUG=1) since that needs a host sync; without the check, invalid values give
+    meaningless results for the requests concerned, the same in every implementation (rules in
+    spec_kernels._checks), and the kernels bound every index they read or write (indptr ranges
+    cut to the tensors, slot ids by S), so they never access memory out of bounds. GPU
     paths never sync with the host (CUDA-graph capturable after a warm-up call: Triton autotunes
     on the first call of a shape). Results are deterministic.
 
@@ -184,8 +179,9 @@ def mla_tree_verify_attention(
     check_shape(tree_mask, "tree_mask", (T,), "one word per query row")
     if max_draft_tokens is not None and not (1 <= int(max_draft_tokens) <= MAX_DRAFT_TOKENS):
         raise ValueError(f"max_draft_tokens must be in [1, {MAX_DRAFT_TOKENS}], got {max_draft_tokens}")
-    if values_checkable(kv_indptr, qo_indptr, kv_indices):
-        _check_draft_values(qo_indptr, kv_indptr, kv_indices, T, kv2d.shape[0], max_draft_tokens)
+    if values_checkable(kv_indptr, qo_indptr, kv_indices, tree_mask):
+        _check_draft_values(qo_indptr, kv_indptr, kv_indices, tree_mask, T, kv2d.shape[0], max_draft_tokens,
+                            "kv_cache")
     return _run(q, kv2d, kv_indptr, kv_indices, qo_indptr, tree_mask, sm_scale, v_head_dim, return_lse, out, impl,
                 num_kv_splits, max_draft_tokens)
 
@@ -206,14 +202,15 @@ def mla_decode_attention(
 
     The n_b = 1 case of :func:`mla_tree_verify_attention` (same kernels, no tree mask): q is
     [B, H, D], request b's slots are ``kv_indices[kv_indptr[b]:kv_indptr[b+1]]`` (its last
-    slot is the new token's). Arguments, results and guarantees as there.
+    slot is the new token's). A request with no slot gets zeros and lse = -inf. Arguments,
+    non-finite inputs, results and guarantees as there.
     """
     kv2d = _check_inputs(q, kv_cache, kv_indptr, kv_indices, v_head_dim)
     B = kv_indptr.numel() - 1
     if q.shape[0] != B:
         raise ValueError(f"q must have one row per request: q.shape[0]={q.shape[0]} but kv_indptr has B={B}")
     if values_checkable(kv_indptr, kv_indices):
-        _check_kv_values(kv_indptr.tolist(), kv_indices, kv2d.shape[0], [0] * B)
+        _check_kv_values(kv_indptr, kv_indices, kv2d.shape[0], [0] * B, "kv_cache")
     return _run(q, kv2d, kv_indptr, kv_indices, None, None, sm_scale, v_head_dim, return_lse, out, impl,
                 num_kv_splits, 1)
 

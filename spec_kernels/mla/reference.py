@@ -31,9 +31,11 @@ def mla_tree_verify_attention(
     v_head_dim: int,
     out: torch.Tensor,
     lse: Optional[torch.Tensor],
+    max_draft_tokens: int = 0,
 ) -> None:
     """q [T, H, D], kv_cache [S, D] -> out [T, H, v_head_dim] (and lse [T, H]), in fp32.
-    qo_indptr=None is plain decode (one query per request sees all its slots)."""
+    qo_indptr=None is plain decode (one query per request sees all its slots). Non-finite
+    values and invalid (unchecked) indices as in spec_kernels.tree_verify.reference."""
     kv = kv_cache.unsqueeze(1)  # [S, 1, D]: the one KV head every query head reads
     tree_reference.tree_verify_attention(q, kv, kv[..., :v_head_dim], kv_indptr, kv_indices, qo_indptr,
-                                         tree_mask, sm_scale, out, lse)
+                                         tree_mask, sm_scale, out, lse, max_draft_tokens)

@@ -31,7 +31,7 @@ from .._autotune import LazyAutotune
 from ..tree_verify.launch_plan import MIN_SPLIT_KEYS
 from ..tree_verify.launch_plan import max_rows as plan_max_rows
 from ..tree_verify.launch_plan import num_kv_splits as plan_splits
-from ..tree_verify.triton_kernel import LOG2E, _merge_splits_kernel
+from ..tree_verify.triton_kernel import LOG2E, _merge_splits_kernel, draft_bits, finite_or_nan, indptr_range
 
 
 @triton.jit
@@ -47,13 +47,15 @@ def _attend_tile(q_lat, q_rope, m_i, l_i, acc, KV, KV_INDICES, first, offs_n, ke
                  COMPUTE_F32: tl.constexpr, IEEE_DOT: tl.constexpr):
     """One KV tile (slots kv_indices[first + offs_n]) folded into the online softmax of every row.
     MASKED (tail tiles): key j of the tile is visible to a row iff bit j of its row_bits is set.
-    Index positions and slot ids out of range (invalid input) are skipped, never dereferenced."""
+    Positions outside kv_indices are skipped; a slot id outside [0, S) (invalid input) reads as
+    a zero row, never dereferenced."""
     at = first + offs_n
-    slot = tl.load(KV_INDICES + at, mask=key_ok & (at >= 0) & (at < num_indices), other=-1).to(tl.int64)
-    key_ok = key_ok & (slot >= 0) & (slot < num_slots)
+    key_ok = key_ok & (at >= 0) & (at < num_indices)
+    slot = tl.load(KV_INDICES + at, mask=key_ok, other=-1).to(tl.int64)
+    slot_ok = key_ok & (slot >= 0) & (slot < num_slots)
     row = KV + slot[:, None] * stride_kv
-    lat = tl.load(row + tl.arange(0, DV)[None, :], mask=key_ok[:, None], other=0.0)  # [BLOCK_N, DV]
-    rope = tl.load(row + DV + tl.arange(0, DR)[None, :], mask=key_ok[:, None], other=0.0)  # [BLOCK_N, DR]
+    lat = tl.load(row + tl.arange(0, DV)[None, :], mask=slot_ok[:, None], other=0.0)  # [BLOCK_N, DV]
+    rope = tl.load(row + DV + tl.arange(0, DR)[None, :], mask=slot_ok[:, None], other=0.0)  # [BLOCK_N, DR]
     if COMPUTE_F32:
         lat = lat.to(tl.float32)
         rope = rope.to(tl.float32)
@@ -63,7 +65,7 @@ def _attend_tile(q_lat, q_rope, m_i, l_i, acc, KV, KV_INDICES, first, offs_n, ke
     if MASKED:
         bit = (row_bits[:, None] >> offs_n.to(tl.int64)[None, :]) & 1
         visible = visible & (bit != 0)
-    s = tl.where(visible, s * qk_scale, float("-inf"))
+    s = tl.where(visible, finite_or_nan(s * qk_scale), float("-inf"))
     m_new = tl.maximum(m_i, tl.max(s, 1))
     m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
     alpha = tl.math.exp2(m_i - m_safe)
@@ -100,25 +102,28 @@ def _mla_fwd_kernel(
     m_block = pid % num_m_blocks
     req = pid // num_m_blocks
 
+    # Ranges cut to the tensors (no-ops for valid input): invalid values stay in bounds.
     if IS_DECODE:
         q_start = req
         n_draft = 1
     else:
-        q_start = tl.load(QO_INDPTR + req)
-        n_draft = tl.load(QO_INDPTR + req + 1) - q_start
-    kv_start = tl.load(KV_INDPTR + req).to(tl.int64)
-    kv_len = tl.load(KV_INDPTR + req + 1) - tl.load(KV_INDPTR + req)
+        q_start, q_end = indptr_range(QO_INDPTR, req, num_tokens)
+        n_draft = (q_end - q_start).to(tl.int32)
+    kv_start, kv_end = indptr_range(KV_INDPTR, req, num_indices)
+    kv_len = (kv_end - kv_start).to(tl.int32)
     if IS_DECODE:
         # The query sees every slot: all of it is prefix, no masked tail. (A one-slot tail loop
         # is flattened and its loads hoisted across the prefix loop: registers spill.)
         prefix_len = kv_len
     else:
         prefix_len = tl.maximum(kv_len - n_draft, 0)
+    num_tail = tl.minimum(kv_len - prefix_len, 64)  # draft slots; a mask word covers 64 drafts
 
-    if m_block * BLOCK_M < n_draft * HEADS:
+    rows = tl.minimum(n_draft * HEADS, max_rows)  # drafts past the launch's bound (invalid input): not computed
+    if m_block * BLOCK_M < rows:
         offs_m = m_block * BLOCK_M + tl.arange(0, BLOCK_M)
         token = (q_start + offs_m // HEADS).to(tl.int64)  # query token of each row
-        row_ok = (offs_m < n_draft * HEADS) & (token >= 0) & (token < num_tokens)
+        row_ok = (offs_m < rows) & (token >= 0) & (token < num_tokens)
         head = offs_m % HEADS
         q_row = Q + token[:, None] * stride_qt + head[:, None] * stride_qh
         q_lat = tl.load(q_row + tl.arange(0, DV)[None, :], mask=row_ok[:, None], other=0.0)
@@ -130,7 +135,7 @@ def _mla_fwd_kernel(
         if IS_DECODE:
             row_bits = tl.full([BLOCK_M], 1, dtype=tl.int64)  # the query's own slot
         else:
-            row_bits = tl.load(TREE_MASK + token, mask=row_ok, other=0)
+            row_bits = tl.load(TREE_MASK + token, mask=row_ok, other=0) & draft_bits(offs_m // HEADS)
 
         m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
         l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
@@ -150,16 +155,16 @@ def _mla_fwd_kernel(
         # ---- tail: the n_draft draft slots under the ancestor bitmask (last split only)
         if not IS_DECODE:
             if split == num_splits - 1:
-                for t0 in range(0, n_draft, BLOCK_N):
-                    key_ok = (t0 + offs_n < n_draft) & (prefix_len + t0 + offs_n < kv_len)
+                for t0 in range(0, num_tail, BLOCK_N):
+                    key_ok = t0 + offs_n < num_tail
                     m_i, l_i, acc = _attend_tile(q_lat, q_rope, m_i, l_i, acc, KV, KV_INDICES,
                                                  kv_start + prefix_len + t0, offs_n, key_ok, row_bits >> t0, qk_scale,
                                                  stride_kv, num_indices, num_slots, DV, DR, True, COMPUTE_F32,
                                                  IEEE_DOT)
 
-        # ---- epilogue: rows that saw no key get zeros and lse = -inf
-        seen = l_i > 0.0
-        o = acc / tl.where(seen, l_i, 1.0)[:, None]
+        # ---- epilogue: rows that saw no key get zeros and lse = -inf; a NaN l (a NaN logit) is seen
+        seen = l_i != 0.0
+        o = tl.where(seen[:, None], acc / tl.where(seen, l_i, 1.0)[:, None], 0.0)
         lse2 = tl.where(seen, m_i + tl.math.log2(tl.where(seen, l_i, 1.0)), float("-inf"))
         o_ptrs = O + token[:, None] * stride_ot + head[:, None] * stride_oh + tl.arange(0, DV)[None, :]
         if PARTIAL:

@@ -19,7 +19,9 @@ from .._checks import (
     INDEX_DTYPES,
     check_index_range,
     check_indptr_values,
+    check_offset_indptr_values,
     check_shape,
+    check_tree_mask_values,
     check_tensor,
     values_checkable,
 )
@@ -41,9 +43,10 @@ TREE_VERIFY.register("triton")(triton_kernel.tree_verify_attention)
 @TREE_VERIFY.register("reference")
 def _tree_verify_reference(q, k_cache, v_cache, kv_indptr, kv_indices, qo_indptr, tree_mask,
                            sm_scale, out, lse, num_kv_splits=0, max_draft_tokens=0):
-    # The reference is exact and loops over requests: no splits, no launch sizing.
+    # The reference is exact and loops over requests: no splits, no launch sizing (the draft
+    # bound only matters for unchecked input: drafts past it are left unwritten, as by the kernels).
     reference.tree_verify_attention(q, k_cache, v_cache, kv_indptr, kv_indices, qo_indptr,
-                                    tree_mask, sm_scale, out, lse)
+                                    tree_mask, sm_scale, out, lse, max_draft_tokens)
 
 
 @TREE_MASK.register("cuda")
@@ -126,18 +129,34 @@ def _check_out(out: Optional[torch.Tensor], q: torch.Tensor, dv: int) -> torch.T
     return out
 
 
-def _check_kv_values(kv_ptr: list[int], kv_indices: torch.Tensor, num_slots: int,
-                     draft_counts: list[int]) -> None:
-    if kv_ptr[-1] > kv_indices.numel():
-        raise ValueError(f"kv_indptr[-1]={kv_ptr[-1]} exceeds the length of kv_indices ({kv_indices.numel()})")
+def _check_kv_values(kv_indptr: torch.Tensor, kv_indices: torch.Tensor, num_slots: int,
+                     draft_counts: list[int], cache_name: str = "k_cache") -> None:
+    """kv_indptr: >= 0, non-decreasing, within kv_indices, >= n_b slots per request; the slots
+    used in [0, num_slots)."""
+    kv_ptr = check_offset_indptr_values(kv_indptr, "kv_indptr", kv_indices.numel(), "kv_indices")
     for b, n in enumerate(draft_counts):
         kv_len = kv_ptr[b + 1] - kv_ptr[b]
-        if kv_len < 0:
-            raise ValueError(f"kv_indptr must be non-decreasing, request {b} has {kv_len} KV slots")
         if kv_len < n:
             raise ValueError(f"kv_indptr is inconsistent with qo_indptr: request {b} has {n} draft "
                              f"tokens but only {kv_len} KV slots (its drafts' slots must be the last n)")
-    check_index_range(kv_indices[kv_ptr[0]:kv_ptr[-1]], "kv_indices", num_slots, "k_cache.shape[0]")
+    check_index_range(kv_indices[kv_ptr[0]:kv_ptr[-1]], "kv_indices", num_slots, f"{cache_name}.shape[0]")
+
+
+def _check_draft_values(qo_indptr: torch.Tensor, kv_indptr: torch.Tensor, kv_indices: torch.Tensor,
+                        tree_mask: torch.Tensor, num_tokens: int, num_slots: int,
+                        max_draft_tokens: Optional[int], cache_name: str = "k_cache") -> None:
+    """The value checks of a tree-verify call (CPU tensors, or CUDA in debug mode): qo_indptr
+    partitions the T rows, every n_b <= the draft bound, kv_indptr as in _check_kv_values, and
+    every mask word sets only bits of the draft itself and earlier drafts."""
+    qo = check_indptr_values(qo_indptr, "qo_indptr", num_tokens, "q.shape[0]")
+    counts = [qo[b + 1] - qo[b] for b in range(len(qo) - 1)]
+    bound = max_draft_tokens or MAX_DRAFT_TOKENS
+    if counts and max(counts) > bound:
+        b = max(range(len(counts)), key=counts.__getitem__)
+        what = "max_draft_tokens" if max_draft_tokens else "are supported"
+        raise ValueError(f"qo_indptr: request {b} has {counts[b]} draft tokens, at most {bound} {what}")
+    _check_kv_values(kv_indptr, kv_indices, num_slots, counts, cache_name)
+    check_tree_mask_values(tree_mask, qo)
 
 
 def _scale(sm_scale: Optional[float], head_dim: int) -> float:
@@ -171,14 +190,18 @@ def tree_verify_attention(
     order, 0 <= n_b <= 64) and KV slots ``kv_indices[kv_indptr[b]:kv_indptr[b+1]]``: first its
     prefix (every draft sees all of it), then the slots of its n_b drafts in draft order. Draft
     i of a request sees draft j iff bit j of ``tree_mask[qo_indptr[b] + i]`` is set (build it
-    with :func:`tree_mask_from_parents`). Query head h reads KV head ``h // (Hq // Hkv)``.
+    with :func:`tree_mask_from_parents`); only bits 0..i may be set (the draft itself and earlier
+    drafts, i.e. its ancestors). Query head h reads KV head ``h // (Hq // Hkv)``.
 
     Args:
         q: [T, Hq, D] fp16/bf16/fp32, T = qo_indptr[-1]. D in {64, 128, 256}.
         k_cache: [S, Hkv, D], same dtype as q; Hq must be a multiple of Hkv (MHA, GQA, MQA).
         v_cache: [S, Hkv, Dv], Dv in {64, 128, 256}.
-        kv_indptr: int32 [B+1]. kv_indices: int32 or int64 slot ids in [0, S).
-        qo_indptr: int32 [B+1]. tree_mask: int64 [T].
+        kv_indptr: int32 [B+1], non-decreasing, kv_indptr[0] >= 0 (an offset: kv_indices may be a
+            window of a larger buffer), kv_indptr[-1] <= len(kv_indices), and at least n_b slots
+            per request. kv_indices: int32 or int64 slot ids in [0, S).
+        qo_indptr: int32 [B+1], non-decreasing, qo_indptr[0] == 0, qo_indptr[-1] == T.
+        tree_mask: int64 [T]; row qo_indptr[b] + i may set bits 0..i only.
         sm_scale: softmax scale, default 1/sqrt(D).
         return_lse: also return the natural-log log-sum-exp of each row's logits, fp32 [T, Hq].
         out: optional [T, Hq, Dv] output buffer (q's dtype), written in place and returned.
@@ -188,16 +211,28 @@ def tree_verify_attention(
         max_draft_tokens: an upper bound of every n_b (1..64), e.g. the server's draft-token
             count; it only sizes the launch (default min(T, 64)). A request with more drafts
             than this bound is a contract violation: checked on CPU / in debug mode, and its
-            extra rows are otherwise left unwritten.
+            extra rows otherwise get unspecified values.
 
     Returns:
         o [T, Hq, Dv] in q's dtype (softmax and accumulation in fp32), or (o, lse).
         A query that sees no key (empty prefix and an empty mask row) gets zeros and lse = -inf.
 
+    Non-finite inputs (the same in every implementation, as in torch SDPA and FlashInfer):
+        * NaN or +-inf in a query row, or in the K row of a slot it sees, makes that row's
+          output and lse NaN (a -inf logit is not read as "masked");
+        * NaN or inf in the V row of a slot a row sees makes those output columns NaN or inf
+          (the lse depends on the logits only); such a V value in a draft slot the row does not
+          see may reach it as well (its zero weight times NaN is NaN), so do not rely on it;
+        * a row that sees no slot gets zeros and lse = -inf, whatever its query or the V rows
+          hold.
+
     Guarantees: every input's dtype, device, rank, shape and contiguity is checked (ValueError
-    or TypeError naming it). Index values (indptr consistency, n_b <= 64, slot ranges) are
-    checked on CPU tensors, and on CUDA tensors in debug mode (SPEC_KERNELS_DEBUG=1) since that
-    needs a host sync; kernels never access memory out of bounds for invalid values. The GPU
+    or TypeError naming it). Index values (the indptr rules above, n_b <= 64, slot ranges, mask
+    bits of later drafts or past n_b) are checked on CPU tensors, and on CUDA tensors in debug
+    mode (SPEC_KERNELS_DEBUG=1) since that needs a host sync. Unchecked invalid values never make
+    a kernel access memory out of bounds, and all implementations treat them alike (indptr
+    ranges cut to the tensors, bad slot ids read as zero rows, mask bits of later drafts ignored:
+    spec_kernels._checks), but the results for the requests concerned are meaningless. The GPU
     paths launch without host synchronisation, so they can be captured in a CUDA graph (warm
     up first: Triton autotunes on the first call of a shape). Results are deterministic.
 
@@ -214,17 +249,10 @@ def tree_verify_attention(
     check_shape(qo_indptr, "qo_indptr", (B + 1,), "B+1, like kv_indptr")
     check_tensor(tree_mask, "tree_mask", dim=1, dtypes=(torch.int64,), device=dev)
     check_shape(tree_mask, "tree_mask", (T,), "one word per query row")
-    if values_checkable(kv_indptr, qo_indptr, kv_indices):
-        qo = check_indptr_values(qo_indptr, "qo_indptr", T, "q.shape[0]")
-        counts = [qo[b + 1] - qo[b] for b in range(B)]
-        bound = max_draft_tokens or MAX_DRAFT_TOKENS
-        if counts and max(counts) > bound:
-            b = max(range(B), key=counts.__getitem__)
-            what = "max_draft_tokens" if max_draft_tokens else "are supported"
-            raise ValueError(f"qo_indptr: request {b} has {counts[b]} draft tokens, at most {bound} {what}")
-        _check_kv_values(kv_indptr.tolist(), kv_indices, k_cache.shape[0], counts)
     if max_draft_tokens is not None and not (1 <= int(max_draft_tokens) <= MAX_DRAFT_TOKENS):
         raise ValueError(f"max_draft_tokens must be in [1, {MAX_DRAFT_TOKENS}], got {max_draft_tokens}")
+    if values_checkable(kv_indptr, qo_indptr, kv_indices, tree_mask):
+        _check_draft_values(qo_indptr, kv_indptr, kv_indices, tree_mask, T, k_cache.shape[0], max_draft_tokens)
     return _run(q, k_cache, v_cache, kv_indptr, kv_indices, qo_indptr, tree_mask, sm_scale, return_lse,
                 out, impl, num_kv_splits, max_draft_tokens)
 
@@ -245,14 +273,16 @@ def decode_attention(
 
     The n_b = 1 case of :func:`tree_verify_attention` (same kernel, no tree mask):
     q is [B, Hq, D], request b's slots are ``kv_indices[kv_indptr[b]:kv_indptr[b+1]]``
-    (its last slot is the new token's). Arguments, results and guarantees as there.
+    (its last slot is the new token's; kv_indptr non-decreasing, kv_indptr[0] >= 0,
+    kv_indptr[-1] <= len(kv_indices)). A request with no slot gets zeros and lse = -inf.
+    Arguments, non-finite inputs, results and guarantees as there.
     """
     _check_kv(q, k_cache, v_cache, kv_indptr, kv_indices)
     B = kv_indptr.numel() - 1
     if q.shape[0] != B:
         raise ValueError(f"q must have one row per request: q.shape[0]={q.shape[0]} but kv_indptr has B={B}")
     if values_checkable(kv_indptr, kv_indices):
-        _check_kv_values(kv_indptr.tolist(), kv_indices, k_cache.shape[0], [0] * B)
+        _check_kv_values(kv_indptr, kv_indices, k_cache.shape[0], [0] * B)
     return _run(q, k_cache, v_cache, kv_indptr, kv_indices, None, None, sm_scale, return_lse,
                 out, impl, num_kv_splits, 1)
 
@@ -277,11 +307,14 @@ def tree_mask_from_parents(parents: torch.Tensor, qo_indptr: torch.Tensor, impl:
         parents: int32/int64 [T]; ``parents[qo_indptr[b] + i]`` is the index (within request b)
             of draft i's parent, or -1 for a root. Parents must precede their children
             (-1 <= parents[i] < i), as in EAGLE and Medusa trees.
-        qo_indptr: int32 [B+1], request b's drafts are rows qo_indptr[b]:qo_indptr[b+1] (<= 64).
+        qo_indptr: int32 [B+1], request b's drafts are rows qo_indptr[b]:qo_indptr[b+1] (<= 64);
+            qo_indptr[0] == 0, non-decreasing, qo_indptr[-1] == T.
     Returns:
         int64 [T]: bit j of row i set iff draft j is draft i itself or one of its ancestors.
-    Parent values are checked on CPU tensors (and on CUDA in debug mode, see
-    tree_verify_attention); an invalid link on CUDA ends that row's walk, never a bad access.
+    qo_indptr and parent values are checked on CPU tensors (and on CUDA in debug mode, see
+    tree_verify_attention). Unchecked on CUDA, an invalid link ends that row's walk and an invalid
+    qo_indptr is cut to [0, T) like in tree_verify_attention (rows no request claims are left
+    unwritten); never a bad access.
     """
     check_tensor(parents, "parents", dim=1, dtypes=INDEX_DTYPES)
     check_tensor(qo_indptr, "qo_indptr", dim=1, dtypes=(torch.int32,), device=parents.device)

@@ -33,6 +33,30 @@ LOG2E = 1.4426950408889634
 
 
 @triton.jit
+def draft_bits(i):
+    """int64 words with bits 0..i set (all 64 at i >= 63): the part of draft i's mask word that
+    counts (itself and earlier drafts; bits of later drafts are ignored)."""
+    shift = (tl.minimum(i, 62) + 1).to(tl.int64)
+    return tl.where(i >= 63, -1, (tl.full(i.shape, 1, tl.int64) << shift) - 1)
+
+
+@triton.jit
+def finite_or_nan(x):
+    """A logit that is +-inf (inf in q or K) becomes NaN, so that -inf never reads as "masked"
+    and the row's output and lse come out NaN."""
+    return tl.where(tl.abs(x) == float("inf"), float("nan"), x)
+
+
+@triton.jit
+def indptr_range(INDPTR, b, limit):
+    """[lo, hi) of entry b of an indptr, cut to [0, limit): invalid (unchecked) values never
+    reach outside (spec_kernels._checks)."""
+    lo = tl.minimum(tl.maximum(tl.load(INDPTR + b).to(tl.int64), 0), limit)
+    hi = tl.minimum(tl.maximum(tl.load(INDPTR + b + 1).to(tl.int64), lo), limit)
+    return lo, hi
+
+
+@triton.jit
 def _tree_verify_fwd_kernel(
     Q, K, V, KV_INDPTR, KV_INDICES, QO_INDPTR, TREE_MASK,
     O, LSE,  # final outputs (one split) or partial outputs [splits, T, Hq, DV] / [splits, T, Hq]
@@ -60,17 +84,19 @@ def _tree_verify_fwd_kernel(
     kv_head = (pid // num_m_blocks) % num_kv_heads
     req = pid // (num_m_blocks * num_kv_heads)
 
+    # Ranges cut to the tensors (no-ops for valid input): invalid values stay in bounds.
     if IS_DECODE:
         q_start = req
         n_draft = 1
     else:
-        q_start = tl.load(QO_INDPTR + req)
-        n_draft = tl.load(QO_INDPTR + req + 1) - q_start
-    kv_start = tl.load(KV_INDPTR + req).to(tl.int64)
-    kv_len = tl.load(KV_INDPTR + req + 1) - tl.load(KV_INDPTR + req)
+        q_start, q_end = indptr_range(QO_INDPTR, req, num_tokens)
+        n_draft = (q_end - q_start).to(tl.int32)
+    kv_start, kv_end = indptr_range(KV_INDPTR, req, num_indices)
+    kv_len = (kv_end - kv_start).to(tl.int32)
     prefix_len = tl.maximum(kv_len - n_draft, 0)
+    num_tail = tl.minimum(kv_len - prefix_len, 64)  # draft slots; a mask word covers 64 drafts
 
-    rows = n_draft * GROUP
+    rows = tl.minimum(n_draft * GROUP, max_rows)  # drafts past the launch's bound (invalid input): not computed
     if m_block * BLOCK_M < rows:
         offs_m = m_block * BLOCK_M + tl.arange(0, BLOCK_M)
         token = (q_start + offs_m // GROUP).to(tl.int64)  # query token of each row
@@ -97,11 +123,11 @@ def _tree_verify_fwd_kernel(
         hi = tl.minimum(prefix_len, lo + chunk)
         for start in range(lo, hi, BLOCK_N):
             offs_n = start + tl.arange(0, BLOCK_N)
-            key_ok = (offs_n < hi) & (kv_start + offs_n >= 0) & (kv_start + offs_n < num_indices)
+            key_ok = (offs_n < hi) & (kv_start + offs_n < num_indices)
             slot = tl.load(KV_INDICES + kv_start + offs_n, mask=key_ok, other=0).to(tl.int64)
-            key_ok = key_ok & (slot >= 0) & (slot < num_slots)
-            k = tl.load(k_base + slot[None, :] * stride_ks + offs_d[:, None], mask=key_ok[None, :], other=0.0)
-            v = tl.load(v_base + slot[:, None] * stride_vs + offs_dv[None, :], mask=key_ok[:, None], other=0.0)
+            slot_ok = key_ok & (slot >= 0) & (slot < num_slots)  # a bad slot id reads as a zero row
+            k = tl.load(k_base + slot[None, :] * stride_ks + offs_d[:, None], mask=slot_ok[None, :], other=0.0)
+            v = tl.load(v_base + slot[:, None] * stride_vs + offs_dv[None, :], mask=slot_ok[:, None], other=0.0)
             if COMPUTE_F32:
                 k = k.to(tl.float32)
                 v = v.to(tl.float32)
@@ -109,7 +135,7 @@ def _tree_verify_fwd_kernel(
                 s = tl.dot(q, k, input_precision="ieee")
             else:
                 s = tl.dot(q, k)
-            s = tl.where(key_ok[None, :], s * qk_scale, float("-inf"))
+            s = tl.where(key_ok[None, :], finite_or_nan(s * qk_scale), float("-inf"))
             m_new = tl.maximum(m_i, tl.max(s, 1))
             m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
             alpha = tl.math.exp2(m_i - m_safe)
@@ -126,15 +152,15 @@ def _tree_verify_fwd_kernel(
             if IS_DECODE:
                 row_bits = tl.full([BLOCK_M], 1, dtype=tl.int64)
             else:
-                row_bits = tl.load(TREE_MASK + token, mask=row_ok, other=0)
-            for t0 in range(0, n_draft, BLOCK_N):
+                row_bits = tl.load(TREE_MASK + token, mask=row_ok, other=0) & draft_bits(offs_m // GROUP)
+            for t0 in range(0, num_tail, BLOCK_N):
                 offs_j = t0 + tl.arange(0, BLOCK_N)
                 at = kv_start + prefix_len + offs_j
-                key_ok = (offs_j < n_draft) & (prefix_len + offs_j < kv_len) & (at >= 0) & (at < num_indices)
+                key_ok = (offs_j < num_tail) & (at < num_indices)
                 slot = tl.load(KV_INDICES + at, mask=key_ok, other=0).to(tl.int64)
-                key_ok = key_ok & (slot >= 0) & (slot < num_slots)
-                k = tl.load(k_base + slot[None, :] * stride_ks + offs_d[:, None], mask=key_ok[None, :], other=0.0)
-                v = tl.load(v_base + slot[:, None] * stride_vs + offs_dv[None, :], mask=key_ok[:, None], other=0.0)
+                slot_ok = key_ok & (slot >= 0) & (slot < num_slots)  # a bad slot id reads as a zero row
+                k = tl.load(k_base + slot[None, :] * stride_ks + offs_d[:, None], mask=slot_ok[None, :], other=0.0)
+                v = tl.load(v_base + slot[:, None] * stride_vs + offs_dv[None, :], mask=slot_ok[:, None], other=0.0)
                 if COMPUTE_F32:
                     k = k.to(tl.float32)
                     v = v.to(tl.float32)
@@ -144,7 +170,7 @@ def _tree_verify_fwd_kernel(
                     s = tl.dot(q, k)
                 bit = (row_bits[:, None] >> tl.minimum(offs_j, 63).to(tl.int64)[None, :]) & 1
                 visible = (bit != 0) & key_ok[None, :]
-                s = tl.where(visible, s * qk_scale, float("-inf"))
+                s = tl.where(visible, finite_or_nan(s * qk_scale), float("-inf"))
                 m_new = tl.maximum(m_i, tl.max(s, 1))
                 m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
                 alpha = tl.math.exp2(m_i - m_safe)
@@ -156,9 +182,9 @@ def _tree_verify_fwd_kernel(
                     acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
                 m_i = m_new
 
-        # ---- epilogue: rows that saw no key get zeros and lse = -inf
-        seen = l_i > 0.0
-        o = acc / tl.where(seen, l_i, 1.0)[:, None]
+        # ---- epilogue: rows that saw no key get zeros and lse = -inf; a NaN l (a NaN logit) is seen
+        seen = l_i != 0.0
+        o = tl.where(seen[:, None], acc / tl.where(seen, l_i, 1.0)[:, None], 0.0)
         lse2 = tl.where(seen, m_i + tl.math.log2(tl.where(seen, l_i, 1.0)), float("-inf"))
         o_ptrs = O + token[:, None] * stride_ot + head[:, None] * stride_oh + offs_dv[None, :]
         if PARTIAL:
@@ -180,7 +206,8 @@ def _merge_splits_kernel(
     BLOCK_S: tl.constexpr,
     WRITE_LSE: tl.constexpr,
 ):
-    """o = sum_s exp2(lse_s - lse) * o_s, lse = log2 sum_s exp2(lse_s); fixed order, no atomics."""
+    """o = sum_s exp2(lse_s - lse) * o_s, lse = log2 sum_s exp2(lse_s); fixed order, no atomics.
+    A NaN lse_s (a NaN logit in that split) makes the total, and so the row, NaN."""
     pid = tl.program_id(0)
     token = (pid // num_heads).to(tl.int64)
     head = pid % num_heads
@@ -194,10 +221,11 @@ def _merge_splits_kernel(
     total = tl.sum(w, 0)
     o_s = tl.load(O_PART + offs_s[:, None] * stride_ps + token * stride_pt + head * stride_ph + offs_dv[None, :],
                   mask=s_ok[:, None], other=0.0)
-    o = tl.sum(o_s * w[:, None], 0) / tl.where(total > 0.0, total, 1.0)
+    seen = total != 0.0
+    o = tl.sum(o_s * w[:, None], 0) / tl.where(seen, total, 1.0)
     tl.store(O + token * stride_ot + head * stride_oh + offs_dv, o.to(O.dtype.element_ty))
     if WRITE_LSE:
-        lse = tl.where(total > 0.0, m_safe + tl.math.log2(tl.where(total > 0.0, total, 1.0)), float("-inf"))
+        lse = tl.where(seen, m_safe + tl.math.log2(tl.where(seen, total, 1.0)), float("-inf"))
         tl.store(LSE + token * stride_lse_t + head, lse * 0.6931471805599453)
 
 
