@@ -65,19 +65,24 @@ __global__ void __launch_bounds__(kThreads) mla_tree_verify_kernel(const MlaPara
   const int req = blockIdx.x / m_blocks;
   const int split = blockIdx.y;
 
-  const int q_start = p.qo_indptr ? p.qo_indptr[req] : req;
-  const int n_draft = p.qo_indptr ? p.qo_indptr[req + 1] - q_start : 1;
-  const int64_t kv_start = p.kv_indptr[req];
-  const int kv_len = p.kv_indptr[req + 1] - p.kv_indptr[req];
+  // Ranges cut to the tensors (no-ops for valid input): invalid values never reach outside.
+  int64_t q_start = req, q_end = req + 1;
+  if (p.qo_indptr) indptr_range(p.qo_indptr, req, p.num_tokens, q_start, q_end);
+  const int n_draft = static_cast<int>(q_end - q_start);
+  int64_t kv_start, kv_end;
+  indptr_range(p.kv_indptr, req, p.num_indices, kv_start, kv_end);
+  const int kv_len = static_cast<int>(kv_end - kv_start);
   const int prefix_len = max(kv_len - n_draft, 0);
+  const int num_tail = min(kv_len - prefix_len, kMaskBits);  // = n_draft for valid input
   const int row0 = m_block * kBlockM;
-  const int rows_here = min(kBlockM, n_draft * H - row0);
+  // Drafts past the launch's bound (max_rows; only invalid input has them) are not computed.
+  const int rows_here = min(kBlockM, min(n_draft * H, p.max_rows) - row0);
   if (rows_here <= 0) return;  // uniform over the CTA
 
   int lo, hi;
   split_bounds(prefix_len, p.num_splits, split, kBlockN, p.min_chunk, lo, hi);
   const int prefix_tiles = ceil_div(hi - lo, kBlockN);
-  const int tail_tiles = split == p.num_splits - 1 ? ceil_div(kv_len - prefix_len, kBlockN) : 0;
+  const int tail_tiles = split == p.num_splits - 1 ? ceil_div(num_tail, kBlockN) : 0;
   const int total_tiles = prefix_tiles + tail_tiles;
 
   const T* q = static_cast<const T*>(p.q);
@@ -85,7 +90,7 @@ __global__ void __launch_bounds__(kThreads) mla_tree_verify_kernel(const MlaPara
 
   // Row r of the block: query token and head, or token -1 past the rows / for invalid qo_indptr.
   auto row_token = [&](int r) -> int64_t {
-    const int64_t token = static_cast<int64_t>(q_start) + (row0 + r) / H;
+    const int64_t token = q_start + (row0 + r) / H;
     return r < rows_here && token >= 0 && token < p.num_tokens ? token : -1;
   };
 
@@ -101,7 +106,7 @@ __global__ void __launch_bounds__(kThreads) mla_tree_verify_kernel(const MlaPara
   auto tile_base = [&](int t) {
     return t < prefix_tiles ? lo + t * kBlockN : prefix_len + (t - prefix_tiles) * kBlockN;
   };
-  auto tile_end = [&](int t) { return t < prefix_tiles ? hi : kv_len; };
+  auto tile_end = [&](int t) { return t < prefix_tiles ? hi : prefix_len + num_tail; };
 
   auto load_tile = [&](int t, int stage) {
     const int base = tile_base(t), end = tile_end(t);
@@ -125,9 +130,13 @@ __global__ void __launch_bounds__(kThreads) mla_tree_verify_kernel(const MlaPara
   for (int mt = 0; mt < kMTiles; ++mt) {
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
-      const int64_t token = row_token(mt * 16 + g + h * 8);
+      const int r = mt * 16 + g + h * 8;
+      const int64_t token = row_token(r);
       row_mask[mt][h] = ~0ull;  // decode: the single tail key is the query's own token
-      if (p.tree_mask != nullptr) row_mask[mt][h] = token >= 0 ? static_cast<uint64_t>(p.tree_mask[token]) : 0ull;
+      // Only the bits of the draft itself and earlier drafts count.
+      if (p.tree_mask != nullptr) {
+        row_mask[mt][h] = token >= 0 ? static_cast<uint64_t>(p.tree_mask[token]) & draft_bits((row0 + r) / H) : 0ull;
+      }
       m_i[mt][h] = -INFINITY;
       l_i[mt][h] = 0.f;
     }
@@ -205,11 +214,12 @@ __global__ void __launch_bounds__(kThreads) mla_tree_verify_kernel(const MlaPara
       for (int j = 0; j < 2; ++j) {
 #pragma unroll
         for (int e = 0; e < 4; ++e) {
-          float x = s[mt][j][e] * p.sm_scale_log2;
+          float x = finite_or_nan(s[mt][j][e] * p.sm_scale_log2);
           if (!full) {
             const int pos = base + j * 8 + t4 * 2 + (e & 1);
             bool visible = pos < end;
-            if (is_tail && visible) visible = (row_mask[mt][e >> 1] >> (pos - prefix_len)) & 1ull;
+            // min(.., 63): never a shift by >= 64 (UB), whatever the input (pos - prefix_len < 64 anyway).
+            if (is_tail && visible) visible = (row_mask[mt][e >> 1] >> min(pos - prefix_len, 63)) & 1ull;
             x = visible ? x : -INFINITY;
           }
           s[mt][j][e] = x;
@@ -272,6 +282,7 @@ __global__ void __launch_bounds__(kThreads) mla_tree_verify_kernel(const MlaPara
   cp_async_wait<0>();
 
   // ---- epilogue: every warp writes its 128 columns; rows that saw no key get zeros, lse = -inf
+  // (selected, not 0 * acc: acc may hold NaN from a V row of a draft slot the row does not see)
   const int col0 = warp * kDvTiles * 8;
 #pragma unroll
   for (int mt = 0; mt < kMTiles; ++mt) {
@@ -284,7 +295,8 @@ __global__ void __launch_bounds__(kThreads) mla_tree_verify_kernel(const MlaPara
       const int64_t token = row_token(r);
       if (token < 0) continue;
       const int head = (row0 + r) % H;
-      const bool seen = l > 0.f;
+      // l is 0 iff the row saw no key; NaN (a NaN logit) counts as seen: NaN output and lse.
+      const bool seen = l != 0.f;
       const float inv_l = seen ? 1.f / l : 0.f;
       const float lse2 = seen ? m_i[mt][h] + log2f(l) : -INFINITY;
       if (p.num_splits > 1) {
@@ -293,7 +305,7 @@ __global__ void __launch_bounds__(kThreads) mla_tree_verify_kernel(const MlaPara
 #pragma unroll
         for (int d = 0; d < kDvTiles; ++d) {
           *reinterpret_cast<float2*>(dst + d * 8 + t4 * 2) =
-              make_float2(acc[mt][d][2 * h] * inv_l, acc[mt][d][2 * h + 1] * inv_l);
+              make_float2(seen ? acc[mt][d][2 * h] * inv_l : 0.f, seen ? acc[mt][d][2 * h + 1] * inv_l : 0.f);
         }
         if (warp == 0 && t4 == 0) p.lse_partial[idx] = lse2;
       } else {
@@ -301,7 +313,7 @@ __global__ void __launch_bounds__(kThreads) mla_tree_verify_kernel(const MlaPara
 #pragma unroll
         for (int d = 0; d < kDvTiles; ++d) {
           *reinterpret_cast<uint32_t*>(dst + d * 8 + t4 * 2) =
-              pack2<T>(acc[mt][d][2 * h] * inv_l, acc[mt][d][2 * h + 1] * inv_l);
+              pack2<T>(seen ? acc[mt][d][2 * h] * inv_l : 0.f, seen ? acc[mt][d][2 * h + 1] * inv_l : 0.f);
         }
         if (p.lse != nullptr && warp == 0 && t4 == 0) p.lse[token * H + head] = lse2 * 0.69314718055994531f;
       }

@@ -1,5 +1,6 @@
 // Tree mask from parent pointers: one 64-bit word per draft token (bit j = "attends to draft j").
 // One block per request, one thread per draft token; each thread walks its ancestor chain.
+#include "spec_kernels/kv_index.cuh"
 #include "spec_kernels/launchers.h"
 
 namespace spec_kernels {
@@ -8,12 +9,12 @@ namespace {
 __global__ void tree_mask_from_parents_kernel(const int64_t* __restrict__ parents,
                                               const int32_t* __restrict__ qo_indptr,
                                               int64_t* __restrict__ tree_mask, int64_t num_tokens) {
-  const int64_t start = qo_indptr[blockIdx.x];
-  const int64_t n = qo_indptr[blockIdx.x + 1] - start;
-  // A malformed qo_indptr (values unchecked on the GPU unless in debug mode) must not take a token
-  // outside [0, num_tokens): such requests are left unwritten.
-  if (start < 0) return;
-  for (int64_t i = threadIdx.x; i < n && start + i < num_tokens; i += blockDim.x) {
+  // A malformed qo_indptr (values unchecked on the GPU unless in debug mode) is cut to [0, num_tokens),
+  // like the reference does: no token outside, rows no request claims are left unwritten.
+  int64_t start, end;
+  indptr_range(qo_indptr, blockIdx.x, num_tokens, start, end);
+  const int64_t n = end - start;
+  for (int64_t i = threadIdx.x; i < n; i += blockDim.x) {
     uint64_t bits = 0;
     int64_t j = i;
     // Parents precede children, so the walk strictly descends and ends within 64 steps. A

@@ -59,14 +59,18 @@ __global__ void __launch_bounds__(kThreads) tree_verify_kernel(const TreeVerifyP
   const int req = blockIdx.x / (m_blocks * p.num_kv_heads);
   const int split = blockIdx.y;
 
-  const int q_start = p.qo_indptr ? p.qo_indptr[req] : req;
-  const int n_draft = p.qo_indptr ? p.qo_indptr[req + 1] - q_start : 1;
-  const int64_t kv_start = p.kv_indptr[req];
-  const int kv_len = p.kv_indptr[req + 1] - p.kv_indptr[req];
+  // Ranges cut to the tensors (no-ops for valid input): invalid values never reach outside.
+  int64_t q_start = req, q_end = req + 1;
+  if (p.qo_indptr) indptr_range(p.qo_indptr, req, p.num_tokens, q_start, q_end);
+  const int n_draft = static_cast<int>(q_end - q_start);
+  int64_t kv_start, kv_end;
+  indptr_range(p.kv_indptr, req, p.num_indices, kv_start, kv_end);
+  const int kv_len = static_cast<int>(kv_end - kv_start);
   const int prefix_len = max(kv_len - n_draft, 0);
-  const int num_tail = kv_len - prefix_len;  // = n_draft for valid input
+  const int num_tail = min(kv_len - prefix_len, kMaskBits);  // = n_draft for valid input
   const int row0 = m_block * kBlockM;
-  const int rows_here = min(kBlockM, n_draft * group - row0);
+  // Drafts past the launch's bound (max_rows; only invalid input has them) are not computed.
+  const int rows_here = min(kBlockM, min(n_draft * group, p.max_rows) - row0);
   if (rows_here <= 0) return;  // uniform over the CTA
 
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
@@ -91,7 +95,7 @@ __global__ void __launch_bounds__(kThreads) tree_verify_kernel(const TreeVerifyP
     const int r = i / kChunks, c = i % kChunks;
     const int row = row0 + r;
     // token >= 0: a negative qo_indptr value (unchecked on the GPU) must not read before q.
-    const int64_t token = static_cast<int64_t>(q_start) + row / group;
+    const int64_t token = q_start + row / group;
     const bool valid = r < rows_here && token >= 0 && token < p.num_tokens;
     const T* src = q;
     if (valid) {
@@ -102,7 +106,7 @@ __global__ void __launch_bounds__(kThreads) tree_verify_kernel(const TreeVerifyP
 
   // Tile t covers key positions [base, base + kStageKeys) clipped to end: prefix tiles first.
   auto tile_base = [&](int t) { return t < prefix_tiles ? lo + t * kStageKeys : prefix_len + (t - prefix_tiles) * kStageKeys; };
-  auto tile_end = [&](int t) { return t < prefix_tiles ? hi : kv_len; };
+  auto tile_end = [&](int t) { return t < prefix_tiles ? hi : prefix_len + num_tail; };
 
   auto load_tile = [&](int t, int stage) {
     const int base = tile_base(t), end = tile_end(t);
@@ -110,9 +114,9 @@ __global__ void __launch_bounds__(kThreads) tree_verify_kernel(const TreeVerifyP
     T* dst_v = s_v + stage * kStageKeys * D;
     for (int i = threadIdx.x; i < kStageKeys * kChunks; i += kThreads) {
       const int r = i / kChunks, c = i % kChunks;
-      // Malformed indices (unchecked on the GPU unless in debug mode) are never followed: such a key
-      // reads as zeros, so the output stays finite and in bounds (its value is unspecified).
-      const int64_t at = kv_start + base + r;  // at >= 0: a negative kv_indptr value is skipped too
+      // A slot id outside [0, S) (unchecked on the GPU unless in debug mode) is never followed: such a
+      // key reads as a zero row (as in the reference and the Triton kernel).
+      const int64_t at = kv_start + base + r;
       const bool in_range = base + r < end && at >= 0 && at < p.num_indices;
       const int64_t slot = in_range ? load_slot(p, at) : 0;
       const bool valid = in_range && slot >= 0 && slot < p.num_slots;
@@ -129,8 +133,11 @@ __global__ void __launch_bounds__(kThreads) tree_verify_kernel(const TreeVerifyP
     const int r = wm * 16 + g + h * 8;
     row_mask[h] = ~0ull;  // decode: the single tail key is the query's own token
     if (p.tree_mask != nullptr) {
-      const int64_t token = static_cast<int64_t>(q_start) + (row0 + r) / group;
-      row_mask[h] = r < rows_here && token >= 0 && token < p.num_tokens ? static_cast<uint64_t>(p.tree_mask[token]) : 0ull;
+      const int64_t token = q_start + (row0 + r) / group;
+      // Only the bits of the draft itself and earlier drafts count.
+      row_mask[h] = r < rows_here && token >= 0 && token < p.num_tokens
+                        ? static_cast<uint64_t>(p.tree_mask[token]) & draft_bits((row0 + r) / group)
+                        : 0ull;
     }
   }
   float m_i[2] = {-INFINITY, -INFINITY};
@@ -184,7 +191,7 @@ __global__ void __launch_bounds__(kThreads) tree_verify_kernel(const TreeVerifyP
     for (int j = 0; j < Cfg::kMaxNTiles; ++j) {
 #pragma unroll
       for (int e = 0; e < 4; ++e) {
-        float x = s[j][e] * p.sm_scale_log2;
+        float x = finite_or_nan(s[j][e] * p.sm_scale_log2);
         if (!full) {
           const int pos = base + key0 + j * 8 + t4 * 2 + (e & 1);
           bool visible = pos < end;
@@ -291,16 +298,18 @@ __global__ void __launch_bounds__(kThreads) tree_verify_kernel(const TreeVerifyP
     }
   }
 
-  // ---- epilogue: rows that saw no key get zeros and lse = -inf
+  // ---- epilogue: rows that saw no key get zeros and lse = -inf (selected, not 0 * acc: acc may hold
+  // NaN from a V row of a draft slot the row does not see, weight 0 times NaN)
 #pragma unroll
   for (int h = 0; h < 2; ++h) {
     const int r = wm * 16 + g + h * 8;
     if (r >= rows_here) continue;
     const int row = row0 + r;
-    const int64_t token = static_cast<int64_t>(q_start) + row / group;
+    const int64_t token = q_start + row / group;
     if (token < 0 || token >= p.num_tokens) continue;  // never write outside out / lse / partials
     const int head = kv_head * group + row % group;
-    const bool seen = l_i[h] > 0.f;
+    // l is 0 iff the row saw no key; NaN (a NaN logit) counts as seen: NaN output and lse.
+    const bool seen = l_i[h] != 0.f;
     const float inv_l = seen ? 1.f / l_i[h] : 0.f;
     const float lse2 = seen ? m_i[h] + log2f(l_i[h]) : -INFINITY;
     if (p.num_splits > 1) {
@@ -308,14 +317,16 @@ __global__ void __launch_bounds__(kThreads) tree_verify_kernel(const TreeVerifyP
       float* dst = p.o_partial + idx * D;
 #pragma unroll
       for (int d = 0; d < Cfg::kDvTiles; ++d) {
-        *reinterpret_cast<float2*>(dst + d * 8 + t4 * 2) = make_float2(acc[d][2 * h] * inv_l, acc[d][2 * h + 1] * inv_l);
+        *reinterpret_cast<float2*>(dst + d * 8 + t4 * 2) =
+            make_float2(seen ? acc[d][2 * h] * inv_l : 0.f, seen ? acc[d][2 * h + 1] * inv_l : 0.f);
       }
       if (t4 == 0) p.lse_partial[idx] = lse2;
     } else {
       T* dst = static_cast<T*>(p.out) + token * p.o_stride_t + head * p.o_stride_h;
 #pragma unroll
       for (int d = 0; d < Cfg::kDvTiles; ++d) {
-        *reinterpret_cast<uint32_t*>(dst + d * 8 + t4 * 2) = pack2<T>(acc[d][2 * h] * inv_l, acc[d][2 * h + 1] * inv_l);
+        *reinterpret_cast<uint32_t*>(dst + d * 8 + t4 * 2) =
+            pack2<T>(seen ? acc[d][2 * h] * inv_l : 0.f, seen ? acc[d][2 * h + 1] * inv_l : 0.f);
       }
       if (p.lse != nullptr && t4 == 0) p.lse[token * p.num_q_heads + head] = lse2 * 0.69314718055994531f;
     }

@@ -23,9 +23,10 @@ REPO = Path(__file__).resolve().parents[2]
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
-from ptx import (LANE, G, T4, GlobalOut, SharedMemory, ceil_div, fail, mma_m16n8k16, shfl_xor,  # noqa: E402
+from ptx import (LANE, G, T4, GlobalOut, SharedMemory, ceil_div, mma_m16n8k16, nan_data, shfl_xor,  # noqa: E402
                  swizzled, to_dtype)
 from split_merge import merge_splits, split_bounds  # noqa: E402
+from tree_verify import draft_bits, finite_or_nan, indptr_range, kMaskBits  # noqa: E402  (kv_index.cuh)
 
 KERNEL = "csrc/mla/mla_tree_verify_attention.cu"
 kWarps, kThreads = 4, 128
@@ -57,19 +58,20 @@ def _run_cta(p, kMTiles, bx, split, out, lse, o_part, lse_part):
     H = p.num_heads
     m_blocks = ceil_div(p.max_rows, kBlockM)
     m_block, req = bx % m_blocks, bx // m_blocks
-    q_start = p.qo_indptr[req] if p.qo_indptr is not None else req
-    n_draft = p.qo_indptr[req + 1] - q_start if p.qo_indptr is not None else 1
-    kv_start = p.kv_indptr[req]
-    kv_len = p.kv_indptr[req + 1] - p.kv_indptr[req]
+    q_start, q_end = (req, req + 1) if p.qo_indptr is None else indptr_range(p.qo_indptr, req, p.num_tokens)
+    n_draft = q_end - q_start
+    kv_start, kv_end = indptr_range(p.kv_indptr, req, p.num_indices)
+    kv_len = kv_end - kv_start
     prefix_len = max(kv_len - n_draft, 0)
+    num_tail = min(kv_len - prefix_len, kMaskBits)
     row0 = m_block * kBlockM
-    rows_here = min(kBlockM, n_draft * H - row0)
+    rows_here = min(kBlockM, min(n_draft * H, p.max_rows) - row0)
     if rows_here <= 0:
         return
 
     lo, hi = split_bounds(prefix_len, p.num_splits, split, kBlockN, p.min_chunk)
     prefix_tiles = ceil_div(hi - lo, kBlockN)
-    tail_tiles = ceil_div(kv_len - prefix_len, kBlockN) if split == p.num_splits - 1 else 0
+    tail_tiles = ceil_div(num_tail, kBlockN) if split == p.num_splits - 1 else 0
     total_tiles = prefix_tiles + tail_tiles
 
     def row_token(r):  # query token of block row r, or -1 past the rows / for invalid qo_indptr
@@ -87,7 +89,7 @@ def _run_cta(p, kMTiles, bx, split, out, lse, o_part, lse_part):
         return lo + t * kBlockN if t < prefix_tiles else prefix_len + (t - prefix_tiles) * kBlockN
 
     def tile_end(t):
-        return hi if t < prefix_tiles else kv_len
+        return hi if t < prefix_tiles else prefix_len + num_tail
 
     def load_tile(t, stage):
         base, end = tile_base(t), tile_end(t)
@@ -104,10 +106,12 @@ def _run_cta(p, kMTiles, bx, split, out, lse, o_part, lse_part):
     for mt in range(kMTiles):
         for h in range(2):
             for ln in range(32):
-                token = row_token(mt * 16 + ln // 4 + h * 8)
+                r = mt * 16 + ln // 4 + h * 8
+                token = row_token(r)
                 row_mask[mt][h][ln] = (1 << 64) - 1  # decode: the one tail key is the query's own
-                if p.tree_mask is not None:
-                    row_mask[mt][h][ln] = int(p.tree_mask[token]) & ((1 << 64) - 1) if token >= 0 else 0
+                if p.tree_mask is not None:  # only the bits of the draft itself and earlier drafts
+                    row_mask[mt][h][ln] = (int(p.tree_mask[token]) & ((1 << 64) - 1) & draft_bits((row0 + r) // H)
+                                           if token >= 0 else 0)
     m_i = np.full((kWarps, kMTiles, 2, 32), -np.inf, np.float32)
     l_i = np.zeros((kWarps, kMTiles, 2, 32), np.float32)
     acc = np.zeros((kWarps, kMTiles, kDvTiles, 32, 4), np.float32)
@@ -162,17 +166,15 @@ def _run_cta(p, kMTiles, bx, split, out, lse, o_part, lse_part):
         for mt in range(kMTiles):
             for j in range(2):
                 for e in range(4):
-                    x = s[:, mt, j, :, e] * np.float32(p.sm_scale_log2)
+                    with np.errstate(invalid="ignore", over="ignore"):
+                        x = finite_or_nan(s[:, mt, j, :, e] * np.float32(p.sm_scale_log2))
                     if not full:
                         pos = base + j * 8 + T4 * 2 + (e & 1)
                         visible = pos < end
                         if is_tail:
                             for ln in range(32):
                                 if visible[ln]:
-                                    shift = int(pos[ln] - prefix_len)
-                                    if shift >= 64:  # the kernel does not clamp (only n_b > 64 reaches it)
-                                        fail(f"row_mask >> {shift}: shift by >= 64 is undefined behaviour")
-                                    visible[ln] = (row_mask[mt][e >> 1][ln] >> shift) & 1
+                                    visible[ln] = (row_mask[mt][e >> 1][ln] >> min(int(pos[ln] - prefix_len), 63)) & 1
                         x = np.where(visible, x, np.float32(-np.inf))
                     s[:, mt, j, :, e] = x
 
@@ -225,11 +227,12 @@ def _run_cta(p, kMTiles, bx, split, out, lse, o_part, lse_part):
                     if token < 0:
                         continue
                     head = (row0 + r) % H
-                    seen = l[ln] > 0
+                    seen = l[ln] != 0  # NaN (a NaN logit) counts as seen
                     inv_l = np.float32(1) / l[ln] if seen else np.float32(0)
                     lse2 = m_i[warp, mt, h, ln] + np.log2(l[ln]) if seen else -np.inf
                     cols = col0 + (np.arange(kDvTiles)[:, None] * 8 + T4[ln] * 2 + np.arange(2)[None, :]).reshape(-1)
-                    vals = (acc[warp, mt, :, ln, 2 * h:2 * h + 2] * inv_l).reshape(-1)
+                    vals = ((acc[warp, mt, :, ln, 2 * h:2 * h + 2] * inv_l).reshape(-1) if seen
+                            else np.zeros(kDvTiles * 2, np.float32))
                     if p.num_splits > 1:
                         o_part.store((split, token, head, cols), vals)
                         if warp == 0 and T4[ln] == 0:
@@ -300,8 +303,9 @@ def make_case(ns, prefixes, heads, seed=0, dtype=torch.float16, decode=False):
 
 
 def garbage_mask_case(seed=0, dtype=torch.float16):
-    """Random 64-bit mask words (sign bit, bits past n_b set): only bits < n_b may count; a row
-    whose word is 0 sees nothing (empty prefixes) and gets zeros with lse = -inf."""
+    """Random 64-bit mask words (sign bit, bits past n_b set): only bits 0..i of draft i count
+    (itself and earlier drafts); a row whose word is 0 sees nothing (empty prefixes) and gets
+    zeros with lse = -inf."""
     q, kv, kvp, kvi, qo, _ = make_case([4, 20], [0, 0], 3, seed, dtype)
     g = torch.Generator().manual_seed(seed)
     mask = torch.randint(-2**62, 2**62, (q.shape[0],), dtype=torch.int64, generator=g)
@@ -316,32 +320,69 @@ TOL = {torch.bfloat16: 3e-2, torch.float16: 4e-3}  # max |out - reference| (P an
 LSE_TOL = 1e-3
 
 
-def compare(case, splits=1, min_chunk=0, max_draft=0):
+def compare(case, splits=1, min_chunk=0, max_draft=0, invalid=False):
     """Emulate with the launch's max_rows (launch_plan.max_rows, as spec_kernels/mla/cuda.py)
-    and compare with the fp32 reference."""
+    and compare with the fp32 reference: errors within TOL / LSE_TOL, the same -inf rows and the
+    same NaN elements (both start from NaN, so unwritten rows must match too); valid input
+    (invalid=False) must give no NaN at all."""
     from spec_kernels.mla import reference
     from spec_kernels.tree_verify.launch_plan import max_rows
     q, kv, kvp, kvi, qo, mask = case
     T, H, _ = q.shape
     scale = 1 / math.sqrt(kD)
-    ref_o, ref_l = torch.zeros(T, H, kDv), torch.zeros(T, H)
-    reference.mla_tree_verify_attention(q.float(), kv.float(), kvp, kvi.long(), qo, mask, scale, kDv, ref_o, ref_l)
+    ref_o, ref_l = torch.full((T, H, kDv), math.nan), torch.full((T, H), math.nan)
+    reference.mla_tree_verify_attention(q.float(), kv.float(), kvp, kvi.long(), qo, mask, scale, kDv, ref_o, ref_l,
+                                        max_draft)
     rows = max_rows(T, H, qo is None, max_draft)
     o, l = emulate(q, kv, kvp, kvi, qo, mask, scale, splits, min_chunk, rows)
     nan = bool(torch.isnan(o).any() or torch.isnan(l).any())
-    err = (o - ref_o).abs().max().item()
+    same_nan = torch.equal(torch.isnan(o), torch.isnan(ref_o)) and torch.equal(torch.isnan(l), torch.isnan(ref_l))
+    err = torch.where(torch.isnan(o) | torch.isnan(ref_o), 0, o - ref_o).abs().max().item() if T else 0.0
     same_inf = torch.equal(torch.isinf(ref_l), torch.isinf(l))
-    lerr = torch.where(torch.isinf(ref_l), 0, l - ref_l).abs().max().item()
-    ok = not nan and same_inf and err <= TOL[q.dtype] and lerr <= LSE_TOL
+    lerr = torch.where(torch.isinf(ref_l) | torch.isnan(ref_l) | torch.isnan(l), 0, l - ref_l).abs().max().item() \
+        if T else 0.0
+    ok = (invalid or not nan) and same_nan and same_inf and err <= TOL[q.dtype] and lerr <= LSE_TOL
     note = "" if ok else (f"max|out err| {err:.1e} (tol {TOL[q.dtype]:.0e}), max|lse err| {lerr:.1e} (tol {LSE_TOL:.0e}), "
-                          f"NaN: {nan}, same -inf rows: {same_inf}")
+                          f"NaN: {nan}, same NaN elements: {same_nan}, same -inf rows: {same_inf}")
     return dict(ok=ok, err=err, lse_err=lerr, dtype=q.dtype, note=note)
+
+
+def invalid_indices_case(seed=0, dtype=torch.float16):
+    """Unchecked invalid index values: a negative qo_indptr / kv_indptr entry, a decreasing
+    kv_indptr pair, an indptr past the end, slot ids outside [0, S). The reference cuts the
+    ranges to the tensors and reads bad slots as zero rows; the kernel must do the same."""
+    q, kv, kvp, kvi, qo, mask = make_case([3, 2, 4, 1], [10, 0, 20, 5], 2, seed, dtype)
+    qo, kvp, kvi = qo.clone(), kvp.clone(), kvi.clone()
+    qo[1] = -1  # request 0: rows [0, 0); request 1: rows [0, 5)
+    kvp[1] = -4  # request 0: KV [0, 0); request 1: KV [0, 15)
+    kvp[3] = 2  # request 2: KV [15, 2) -> empty; request 3: KV [2, 45)
+    kvp[4] = 10**6  # past the end of kv_indices: cut to its length
+    kvi[5], kvi[20] = -3, 10**7  # bad slot ids: zero rows
+    return q, kv, kvp, kvi, qo, mask
+
+
+def nonfinite_case(seed=0, dtype=torch.float16):
+    """NaN / inf inputs: a NaN query element, an inf / -inf in the K part of a prefix / draft row
+    (rows that see it: NaN output and lse), a NaN in the latent (V) part of a prefix row (the
+    output column is NaN, for every row of the request), a NaN query of a row that sees nothing."""
+    q, kv, kvp, kvi, qo, mask = make_case([4, 3, 2], [12, 5, 0], 3, seed, dtype)
+    q, kv, mask = q.clone(), kv.clone(), mask.clone()
+    nan, inf = float("nan"), float("inf")
+    q[1, 2, 100] = nan  # request 0, draft 1, head 2
+    kv[int(kvi[3]), kDv + 5] = inf  # request 0's prefix, rope part: every row of request 0
+    kv[int(kvi[16 + 5 + 1]), 7] = -inf  # request 1's draft 1 (latent = K and V): the rows that see it
+    kv[int(kvi[16 + 2]), 300] = nan  # request 1's prefix, latent column 300: K and V
+    kv[int(kvi[16 + 3]), kDv + 1] = nan  # request 1's prefix, rope part: K only
+    mask[7] = 0  # request 2 (empty prefix), draft 0 sees nothing ...
+    q[7] = nan  # ... so its NaN query does not matter
+    return q, kv, kvp, kvi, qo, mask
 
 
 def cases(quick):
     """(name, thunk) pairs: the reviewers' 17 configurations (fp16) plus 3 in bf16. H 1..128,
     kMTiles 1 and 2, several m-blocks, n_b 0/1/17/64 (bit 63), empty prefixes, decode, splits
-    2..5 with the merge, min_chunk 256 with empty splits, unseen rows, garbage mask bits."""
+    2..5 with the merge, min_chunk 256 with empty splits, unseen rows, garbage mask bits; then
+    unchecked invalid indptr / slot values, n_b 70, and NaN / inf inputs (against the reference)."""
     fp16, bf16 = torch.float16, torch.bfloat16
     spec = [  # (name, ns, prefixes, heads, dict(splits, min_chunk, max_draft, decode, dtype), quick)
         ("one tile, tail in range", [3], [5], 2, {}, False),
@@ -377,4 +418,18 @@ def cases(quick):
             continue
         out.append((f"garbage mask bits, unseen rows: ns=[4, 20] H=3 fp16 splits={splits}",
                     lambda splits=splits: compare(garbage_mask_case(), splits)))
+    for splits in (1, 3):
+        if quick and splits == 1:
+            continue
+        out.append((f"invalid indptr / slot values: H=2 fp16 splits={splits}",
+                    lambda splits=splits: compare(invalid_indices_case(), splits, invalid=True)))
+    out.append(("more than 64 drafts (n_b 70): drafts past the bound unwritten, H=1 fp16",
+                lambda: compare(make_case([70], [5], 1), 1, invalid=True)))
+
+    def nonfinite(splits, dtype):
+        with nan_data():  # NaN in mma operands is data here, not unwritten memory
+            return compare(nonfinite_case(dtype=dtype), splits, invalid=True)
+    for splits, dt in ((1, fp16), (2, bf16)):
+        out.append((f"NaN / inf inputs: H=3 {'bf16' if dt == bf16 else 'fp16'} splits={splits}",
+                    lambda splits=splits, dt=dt: nonfinite(splits, dt)))
     return out

@@ -33,10 +33,11 @@ def merge_splits(out, lse, o_part, lse_part, dtype, want_lse=True):
             total = np.float32(0)
             for s_ in range(num_splits):
                 total += np.exp2(ls[s_] - m_safe)
-            inv_total = np.float32(1) / total if total > 0 else np.float32(0)
+            seen = total != 0  # NaN (a NaN lse_s) counts as seen
+            inv_total = np.float32(1) / total if seen else np.float32(0)
             o = np.zeros(dim, np.float32)
             for s_ in range(num_splits):
                 o += np.exp2(ls[s_] - m_safe) * o_part.a[s_, token, head]
             out.store((token, head, np.arange(dim)), to_dtype(o * inv_total, dtype))
             if want_lse:
-                lse.store((token, head), (m_safe + np.log2(total)) * np.float32(LN2) if total > 0 else -np.inf)
+                lse.store((token, head), (m_safe + np.log2(total)) * np.float32(LN2) if seen else -np.inf)

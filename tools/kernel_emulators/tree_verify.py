@@ -24,7 +24,7 @@ if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
 from ptx import (LANE, G, T4, GlobalOut, SharedMemory, c_int, ceil_div, in_bounds, mma_m16n8k16,  # noqa: E402
-                 shfl_xor, swizzled, to_dtype)
+                 nan_data, shfl_xor, swizzled, to_dtype)
 from split_merge import merge_splits, split_bounds  # noqa: E402
 
 KERNEL = "csrc/tree_verify/tree_verify_attention.cu"
@@ -33,8 +33,27 @@ kBlockM = 64  # kTreeVerifyBlockM (tree_verify.h)
 LN2 = 0.69314718055994531
 
 
+kMaskBits = 64  # kv_index.cuh
+
+
 class Params:
     """TreeVerifyParams, with the tensors as float32 numpy arrays / python lists."""
+
+
+def indptr_range(indptr, b, limit):
+    """kv_index.cuh indptr_range: [lo, hi) of entry b cut to [0, limit)."""
+    lo = min(max(int(indptr[b]), 0), limit)
+    return lo, min(max(int(indptr[b + 1]), lo), limit)
+
+
+def draft_bits(i):
+    """kv_index.cuh draft_bits: bits 0..i of a mask word (all 64 at i >= 63), as a python int."""
+    return (1 << 64) - 1 if i >= 63 else (2 << i) - 1
+
+
+def finite_or_nan(x):
+    """kv_index.cuh finite_or_nan: +-inf -> NaN."""
+    return np.where(np.isinf(x), np.float32(np.nan), x).astype(np.float32)
 
 
 def _run_cta(p, bx, split, out, lse, o_part, lse_part):
@@ -57,14 +76,14 @@ def _run_cta(p, bx, split, out, lse, o_part, lse_part):
     kv_head = (bx // m_blocks) % p.num_kv_heads
     req = bx // (m_blocks * p.num_kv_heads)
 
-    q_start = p.qo_indptr[req] if p.qo_indptr is not None else req
-    n_draft = p.qo_indptr[req + 1] - q_start if p.qo_indptr is not None else 1
-    kv_start = p.kv_indptr[req]
-    kv_len = c_int(p.kv_indptr[req + 1] - p.kv_indptr[req], "kv_len")
+    q_start, q_end = (req, req + 1) if p.qo_indptr is None else indptr_range(p.qo_indptr, req, p.num_tokens)
+    n_draft = q_end - q_start
+    kv_start, kv_end = indptr_range(p.kv_indptr, req, p.num_indices)
+    kv_len = c_int(kv_end - kv_start, "kv_len")
     prefix_len = max(kv_len - n_draft, 0)
-    num_tail = kv_len - prefix_len
+    num_tail = min(kv_len - prefix_len, kMaskBits)
     row0 = m_block * kBlockM
-    rows_here = min(kBlockM, n_draft * group - row0)
+    rows_here = min(kBlockM, min(n_draft * group, p.max_rows) - row0)
     if rows_here <= 0:
         return
 
@@ -94,7 +113,7 @@ def _run_cta(p, bx, split, out, lse, o_part, lse_part):
         return lo + t * kStageKeys if t < prefix_tiles else prefix_len + (t - prefix_tiles) * kStageKeys
 
     def tile_end(t):
-        return hi if t < prefix_tiles else kv_len
+        return hi if t < prefix_tiles else prefix_len + num_tail
 
     def load_tile(t, stage):
         base, end = tile_base(t), tile_end(t)
@@ -120,8 +139,8 @@ def _run_cta(p, bx, split, out, lse, o_part, lse_part):
                 row_mask.append([(1 << 64) - 1] * 32)  # decode: the one tail key is the query's own
                 continue
             tokens = q_start + (row0 + r) // group
-            row_mask.append([int(p.tree_mask[tok]) & ((1 << 64) - 1) if r[l] < rows_here and 0 <= tok < p.num_tokens
-                             else 0 for l, tok in enumerate(tokens)])
+            row_mask.append([int(p.tree_mask[tok]) & ((1 << 64) - 1) & draft_bits((row0 + int(r[l])) // group)
+                             if r[l] < rows_here and 0 <= tok < p.num_tokens else 0 for l, tok in enumerate(tokens)])
         W.append(dict(wm=wm, wn=wn, row_mask=row_mask, m=np.full((2, 32), -np.inf, np.float32),
                       l=np.zeros((2, 32), np.float32), acc=np.zeros((kDvTiles, 32, 4), np.float32)))
 
@@ -163,7 +182,8 @@ def _run_cta(p, bx, split, out, lse, o_part, lse_part):
             full = not is_tail and base + kStageKeys <= end
             for j in range(kMaxNTiles):
                 for e in range(4):
-                    x = s[j][:, e] * np.float32(p.sm_scale_log2)
+                    with np.errstate(invalid="ignore", over="ignore"):
+                        x = finite_or_nan(s[j][:, e] * np.float32(p.sm_scale_log2))
                     if not full:
                         pos = base + key0 + j * 8 + T4 * 2 + (e & 1)
                         visible = pos < end
@@ -259,11 +279,11 @@ def _run_cta(p, bx, split, out, lse, o_part, lse_part):
                     continue
                 head = kv_head * group + row % group
                 L = w["l"][h][l]
-                seen = L > 0
+                seen = L != 0  # NaN (a NaN logit) counts as seen
                 inv_l = np.float32(1) / L if seen else np.float32(0)
                 lse2 = w["m"][h][l] + np.log2(L) if seen else -np.inf
                 cols = (np.arange(kDvTiles)[:, None] * 8 + T4[l] * 2 + np.arange(2)[None, :]).reshape(-1)
-                vals = (w["acc"][:, l, 2 * h:2 * h + 2] * inv_l).reshape(-1)
+                vals = (w["acc"][:, l, 2 * h:2 * h + 2] * inv_l).reshape(-1) if seen else np.zeros(kDvTiles * 2, np.float32)
                 if p.num_splits > 1:
                     o_part.store((split, token, head, cols), vals)
                     if T4[l] == 0:
@@ -340,49 +360,81 @@ TOL = {torch.bfloat16: 3e-2, torch.float16: 4e-3}  # max |out - reference| (P an
 LSE_TOL = 1e-3
 
 
-def compare(case, splits, min_chunk, max_draft=0):
+def compare(case, splits, min_chunk, max_draft=0, invalid=False):
     """Emulate with the launch's max_rows (launch_plan.max_rows) and compare with the fp32
-    reference: max |out err| within TOL, |lse err| within LSE_TOL, the same -inf rows, no NaN."""
+    reference: max |out err| within TOL, |lse err| within LSE_TOL, the same -inf rows and the
+    same NaN elements. Valid input (invalid=False) must give no NaN at all; NaN inputs and
+    invalid index values (invalid=True) must give NaN exactly where the reference does (for
+    unwritten rows too: both start from NaN)."""
     from spec_kernels.tree_verify import reference
     from spec_kernels.tree_verify.launch_plan import max_rows
     q, k, v, kvp, kvi, qo, mask = case
     T, Hq, D = q.shape
     scale = 1 / math.sqrt(D)
-    ref_o, ref_l = torch.zeros(T, Hq, D), torch.zeros(T, Hq)
-    reference.tree_verify_attention(q.float(), k.float(), v.float(), kvp, kvi, qo, mask, scale, ref_o, ref_l)
+    ref_o, ref_l = torch.full((T, Hq, D), math.nan), torch.full((T, Hq), math.nan)
+    reference.tree_verify_attention(q.float(), k.float(), v.float(), kvp, kvi, qo, mask, scale, ref_o, ref_l,
+                                    max_draft)
     rows = max_rows(T, Hq // k.shape[1], qo is None, max_draft)
     o, l = emulate(q, k, v, kvp, kvi, qo, mask, scale, splits, min_chunk, rows)
     nan = bool(torch.isnan(o).any() or torch.isnan(l).any())
-    err = (o - ref_o).abs().max().item() if T else 0.0
+    same_nan = torch.equal(torch.isnan(o), torch.isnan(ref_o)) and torch.equal(torch.isnan(l), torch.isnan(ref_l))
+    err = torch.where(torch.isnan(o) | torch.isnan(ref_o), 0, o - ref_o).abs().max().item() if T else 0.0
     same_inf = torch.equal(torch.isinf(ref_l), torch.isinf(l))
-    lerr = torch.where(torch.isinf(ref_l), 0, l - ref_l).abs().max().item() if T else 0.0
-    ok = not nan and same_inf and err <= TOL[q.dtype] and lerr <= LSE_TOL
+    lerr = torch.where(torch.isinf(ref_l) | torch.isnan(ref_l) | torch.isnan(l), 0, l - ref_l).abs().max().item() \
+        if T else 0.0
+    ok = (invalid or not nan) and same_nan and same_inf and err <= TOL[q.dtype] and lerr <= LSE_TOL
     note = "" if ok else (f"max|out err| {err:.1e} (tol {TOL[q.dtype]:.0e}), max|lse err| {lerr:.1e} (tol {LSE_TOL:.0e}), "
-                          f"NaN: {nan}, same -inf rows: {same_inf}")
+                          f"NaN: {nan}, same NaN elements: {same_nan}, same -inf rows: {same_inf}")
     return dict(ok=ok, err=err, lse_err=lerr, dtype=q.dtype, note=note)
 
 
-def malformed(which):
+def malformed(which, splits=2):
     """Invalid index values (unchecked on the GPU): the kernel must stay in bounds (the emulator
-    raises otherwise); the reference is not the oracle here, its output is unspecified."""
+    raises otherwise) and agree with the reference, which cuts indptr ranges to the tensors,
+    reads a bad slot id as a zero row and ignores mask bits of later drafts."""
     if which == "bad_slots":
         q, k, v, kvp, kvi, qo, mask = make_case(13, 128, 4, 2, [4, 3], [20, 6], torch.bfloat16)
         kvi, kvp = kvi.clone(), kvp.clone()
         kvi[3], kvi[30] = 10**6, -5  # slot ids out of range
         kvp[-1] += 50  # indptr past the end of kv_indices
-        o, _ = emulate(q, k, v, kvp, kvi, qo, mask, 0.125, 2, 0, 128)
-        return dict(ok=bool(torch.isfinite(o).all()), note="out finite")
+        return compare((q, k, v, kvp, kvi, qo, mask), splits, 0, invalid=True)
     if which == "negative_indptr":
         q, k, v, kvp, kvi, qo, mask = make_case(14, 64, 4, 2, [4, 3], [20, 6], torch.bfloat16)
         qo, kvp = qo.clone(), kvp.clone()
         qo[1], kvp[1] = -2, -10  # request 1 starts at token -2, at index -10
-        emulate(q, k, v, kvp, kvi, qo, mask, 0.125, 2, 0, 128)
-        return dict(ok=True, note="in bounds")
-    if which == "n_b_70":  # more than 64 drafts: the mask shift must stay < 64
+        return compare((q, k, v, kvp, kvi, qo, mask), splits, 0, invalid=True)
+    if which == "decreasing_indptr":  # request 1's ranges run backwards: it attends to nothing
+        q, k, v, kvp, kvi, qo, mask = make_case(16, 64, 4, 2, [4, 3, 2], [20, 6, 9], torch.bfloat16)
+        qo, kvp = qo.clone(), kvp.clone()
+        kvp[2] = 3  # request 1: [24, 3) -> empty; request 2: [3, 44)
+        return compare((q, k, v, kvp, kvi, qo, mask), splits, 0, invalid=True)
+    if which == "n_b_70":  # more than 64 drafts: drafts past 64 unwritten, the mask shift stays < 64
         q, k, v, kvp, kvi, qo, mask = make_case(15, 64, 1, 1, [70], [5], torch.bfloat16)
-        emulate(q, k, v, kvp, kvi, qo, mask, 0.125, 1, 0, 64)
-        return dict(ok=True, note="in bounds")
+        return compare((q, k, v, kvp, kvi, qo, mask), 1, 0, invalid=True)
+    if which == "later_draft_bits":  # random words: bits of later drafts and past n_b are ignored
+        q, k, v, kvp, kvi, qo, _ = make_case(17, 64, 4, 2, [5, 20], [0, 3], torch.bfloat16)
+        g = torch.Generator().manual_seed(17)
+        mask = torch.randint(-2**62, 2**62, (q.shape[0],), dtype=torch.int64, generator=g)
+        mask[0] = -2**63 | 2  # draft 0 of an empty prefix: sees nothing
+        return compare((q, k, v, kvp, kvi, qo, mask), splits, 0)
     raise ValueError(which)
+
+
+def nonfinite(D, splits):
+    """NaN / inf inputs: a row with a NaN or inf logit (q, or the K row of a slot it sees) is NaN
+    in output and lse; NaN in a prefix V row makes that column NaN for every row of the request;
+    rows that see nothing stay zeros with lse -inf even with a NaN query."""
+    q, k, v, kvp, kvi, qo, mask = make_case(18, D, 4, 2, [5, 3, 2], [40, 6, 0], torch.bfloat16)
+    q, k, v, mask = q.clone(), k.clone(), v.clone(), mask.clone()
+    nan, inf = float("nan"), float("inf")
+    q[1, 2, 5] = nan  # request 0, draft 1, head 2
+    k[int(kvi[10]), 0, 3] = inf  # request 0's prefix, KV head 0: heads 0-1 of every draft
+    k[int(kvi[45 + 6 + 1]), 1, 0] = -inf  # request 1's draft 1, KV head 1: heads 2-3 of the drafts that see it
+    v[int(kvi[45 + 2]), 0, 7] = nan  # request 1's prefix, KV head 0: column 7 of heads 0-1
+    mask[8] = 0  # request 2 (empty prefix), draft 0: sees nothing ...
+    q[8] = nan  # ... so its NaN query does not matter
+    with nan_data():  # NaN in mma operands is data here, not unwritten memory
+        return compare((q, k, v, kvp, kvi, qo, mask), splits, 0, invalid=True)
 
 
 def _unseen_rows(seed, D):
@@ -407,7 +459,8 @@ def cases(quick):
     Q = {  # the --quick subset: every code path at least once
         ("tree", 64, "bf16", 3), ("tree", 128, "fp16", 1), ("n40", 128, "fp16", 2), ("n40", 256, "bf16", 1),
         ("decode", 256, "bf16", 4), ("decode_g1", 64, "fp16", 2),
-        ("n0_n64", 64, 3), ("unseen", 256, 2), ("empty_decode", 64, 5), ("bad_slots",), ("negative_indptr",)}
+        ("n0_n64", 64, 3), ("unseen", 256, 2), ("empty_decode", 64, 5), ("bad_slots",), ("negative_indptr",),
+        ("decreasing_indptr",), ("later_draft_bits",), ("nonfinite", 64, 2)}
     for dt, dname in ((torch.bfloat16, "bf16"), (torch.float16, "fp16")):
         for D in (64, 128, 256):
             def add(tag, make, splits_list):
@@ -438,7 +491,11 @@ def cases(quick):
                 continue
             name = f"{tag} D={D} bf16 splits={splits}" + (f" min_chunk={min_chunk}" if min_chunk else "")
             out.append((name, lambda make=make, s=splits, mc=min_chunk: compare(make(), s, mc)))
-    for which in ("bad_slots", "negative_indptr", "n_b_70"):
+    for which in ("bad_slots", "negative_indptr", "decreasing_indptr", "n_b_70", "later_draft_bits"):
         if not quick or (which,) in Q:
             out.append((f"malformed {which}", lambda which=which: malformed(which)))
+    for D in (64, 128):
+        for splits in (1, 2):
+            if not quick or ("nonfinite", D, splits) in Q:
+                out.append((f"nonfinite D={D} bf16 splits={splits}", lambda D=D, s=splits: nonfinite(D, s)))
     return out

@@ -2,7 +2,8 @@
 // the combine. Each split s wrote, for a
 // (token, head) row, its normalised output o_s and its base-2 log-sum-exp lse_s; the row's result
 // is sum_s 2^(lse_s - lse) * o_s with lse = log2 sum_s 2^lse_s, summed in split order (bitwise
-// deterministic, no atomics). A row no split saw (every lse_s = -inf) gets zeros and lse = -inf.
+// deterministic, no atomics). A row no split saw (every lse_s = -inf) gets zeros and lse = -inf; a
+// NaN lse_s (a NaN logit in that split) makes the total, and so the row's output and lse, NaN.
 #pragma once
 
 #include <cmath>
@@ -36,7 +37,8 @@ __device__ void merge_split_row(const float* o_partial, const float* lse_partial
   const float m_safe = mx == -INFINITY ? 0.f : mx;
   float total = 0.f;
   for (int s = 0; s < num_splits; ++s) total += exp2f(lse_partial[s * num_rows + idx] - m_safe);
-  const float inv_total = total > 0.f ? 1.f / total : 0.f;
+  const bool seen = total != 0.f;  // NaN counts as seen
+  const float inv_total = seen ? 1.f / total : 0.f;
   for (int d = threadIdx.x; d < dim; d += blockDim.x) {
     float o = 0.f;
     for (int s = 0; s < num_splits; ++s) {
@@ -46,7 +48,7 @@ __device__ void merge_split_row(const float* o_partial, const float* lse_partial
     out_row[d] = from_float<T>(o * inv_total);
   }
   if (lse != nullptr && threadIdx.x == 0) {
-    lse[idx] = total > 0.f ? (m_safe + log2f(total)) * 0.69314718055994531f : -INFINITY;
+    lse[idx] = seen ? (m_safe + log2f(total)) * 0.69314718055994531f : -INFINITY;
   }
 }
 
