@@ -297,8 +297,9 @@ spec_kernels::IndexTensor index_tensor(const at::Tensor& t, const char* name, co
 
 spec_kernels::KvSlotBatch kv_slot_batch(const at::Tensor& req_to_token, const at::Tensor& req_pool_indices,
                                         const at::Tensor& seq_lens, const at::Tensor& num_draft,
-                                        const at::Tensor& free_pages, const at::Tensor& num_free, int64_t page_size,
-                                        int64_t max_draft, const at::Tensor& status) {
+                                        const at::Tensor& free_pages, const at::Tensor& num_free,
+                                        const at::Tensor& page_state, int64_t page_size, int64_t max_draft,
+                                        const at::Tensor& status) {
   TORCH_CHECK(req_to_token.is_cuda(), "req_to_token must be a CUDA tensor, got device ", req_to_token.device());
   const at::Device dev = req_to_token.device();
   spec_kernels::KvSlotBatch b{};
@@ -322,6 +323,11 @@ spec_kernels::KvSlotBatch kv_slot_batch(const at::Tensor& req_to_token, const at
   check_cuda_vector(num_free, "num_free", at::kLong);
   TORCH_CHECK(num_free.device() == dev && num_free.numel() == 1, "num_free must be one int64 on ", dev);
   b.num_free = num_free.data_ptr<int64_t>();
+  check_cuda_vector(page_state, "page_state", at::kInt);
+  TORCH_CHECK(page_state.device() == dev && page_state.numel() == b.num_pages, "page_state must be int32 [",
+              b.num_pages, "] (one entry per page, like free_pages) on ", dev, ", got ", page_state.sizes(), " on ",
+              page_state.device());
+  b.page_state = page_state.data_ptr<int32_t>();
   TORCH_CHECK(page_size >= 1 && page_size <= (1 << 20) && (page_size & (page_size - 1)) == 0,
               "page_size must be a power of two in [1, 2^20], got ", page_size);
   b.log2_page_size = __builtin_ctzll(static_cast<uint64_t>(page_size));
@@ -336,10 +342,11 @@ spec_kernels::KvSlotBatch kv_slot_batch(const at::Tensor& req_to_token, const at
 }
 
 void alloc_draft_slots(at::Tensor& req_to_token, const at::Tensor& req_pool_indices, const at::Tensor& seq_lens,
-                       const at::Tensor& num_draft, at::Tensor& free_pages, at::Tensor& num_free, int64_t page_size,
-                       int64_t max_draft, at::Tensor& out_cache_loc, at::Tensor& status) {
+                       const at::Tensor& num_draft, at::Tensor& free_pages, at::Tensor& num_free,
+                       at::Tensor& page_state, int64_t page_size, int64_t max_draft, at::Tensor& out_cache_loc,
+                       at::Tensor& status) {
   const auto batch = kv_slot_batch(req_to_token, req_pool_indices, seq_lens, num_draft, free_pages, num_free,
-                                   page_size, max_draft, status);
+                                   page_state, page_size, max_draft, status);
   check_cuda_vector(out_cache_loc, "out_cache_loc", at::kLong);
   TORCH_CHECK(out_cache_loc.device() == req_to_token.device(), "out_cache_loc must be on ", req_to_token.device());
   const c10::cuda::CUDAGuard guard(req_to_token.device());
@@ -350,12 +357,13 @@ void alloc_draft_slots(at::Tensor& req_to_token, const at::Tensor& req_pool_indi
 
 void commit_draft_slots(at::Tensor& req_to_token, const at::Tensor& req_pool_indices, const at::Tensor& seq_lens,
                         const at::Tensor& num_draft, const at::Tensor& accept_index, const at::Tensor& accept_len,
-                        at::Tensor& free_pages, at::Tensor& num_free, int64_t page_size, int64_t max_draft,
-                        const std::optional<at::Tensor>& kv_table, int64_t kv_rows, int64_t kv_unit_bytes,
-                        int64_t kv_blocks_per_request, const std::optional<at::Tensor>& move_sync, int64_t move_tag,
-                        at::Tensor& new_seq_lens, at::Tensor& status) {
+                        at::Tensor& free_pages, at::Tensor& num_free, at::Tensor& page_state, int64_t page_size,
+                        int64_t max_draft, const std::optional<at::Tensor>& kv_table, int64_t kv_rows,
+                        int64_t kv_unit_bytes, int64_t kv_blocks_per_request,
+                        const std::optional<at::Tensor>& move_sync, int64_t move_tag, at::Tensor& new_seq_lens,
+                        at::Tensor& status) {
   const auto batch = kv_slot_batch(req_to_token, req_pool_indices, seq_lens, num_draft, free_pages, num_free,
-                                   page_size, max_draft, status);
+                                   page_state, page_size, max_draft, status);
   const at::Device dev = req_to_token.device();
   spec_kernels::KvCommitArgs args{};
   args.accept_index = index_tensor(accept_index, "accept_index", dev, 2);
@@ -621,13 +629,13 @@ TORCH_LIBRARY(spec_kernels_cuda, m) {
   m.impl("mla_tree_verify_attention", c10::DispatchKey::CUDA, &mla_tree_verify_attention);
   m.def(
       "alloc_draft_slots(Tensor(a!) req_to_token, Tensor req_pool_indices, Tensor seq_lens, Tensor num_draft, "
-      "Tensor(b!) free_pages, Tensor(c!) num_free, int page_size, int max_draft, Tensor(d!) out_cache_loc, "
-      "Tensor(e!) status) -> ()");
+      "Tensor(b!) free_pages, Tensor(c!) num_free, Tensor(f!) page_state, int page_size, int max_draft, "
+      "Tensor(d!) out_cache_loc, Tensor(e!) status) -> ()");
   m.impl("alloc_draft_slots", c10::DispatchKey::CUDA, &alloc_draft_slots);
   m.def(
       "commit_draft_slots(Tensor(a!) req_to_token, Tensor req_pool_indices, Tensor seq_lens, Tensor num_draft, "
-      "Tensor accept_index, Tensor accept_len, Tensor(b!) free_pages, Tensor(c!) num_free, int page_size, "
-      "int max_draft, Tensor? kv_table, int kv_rows, int kv_unit_bytes, int kv_blocks_per_request, "
+      "Tensor accept_index, Tensor accept_len, Tensor(b!) free_pages, Tensor(c!) num_free, Tensor(g!) page_state, "
+      "int page_size, int max_draft, Tensor? kv_table, int kv_rows, int kv_unit_bytes, int kv_blocks_per_request, "
       "Tensor(f!)? move_sync, int move_tag, Tensor(d!) new_seq_lens, Tensor(e!) status) -> ()");
   m.impl("commit_draft_slots", c10::DispatchKey::CUDA, &commit_draft_slots);
   m.def("fused_add_rmsnorm(Tensor x, Tensor residual, Tensor weight, Tensor(a!) out, Tensor(b!) residual_out, "

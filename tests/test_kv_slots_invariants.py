@@ -551,7 +551,7 @@ def run_adversarial_sequence(draw: Draw, impls, page_size: int, rounds: int, ker
 
 
 @pytest.mark.parametrize("page_size", PAGE_SIZES)
-@settings(max_examples=8, deadline=None, derandomize=True,
+@settings(max_examples=6, deadline=None, derandomize=True,
           suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
 @given(data=st.data())
 def test_adversarial_sequences_triton_equals_reference_and_invariants_hold(page_size, data):

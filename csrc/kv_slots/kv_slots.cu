@@ -16,6 +16,13 @@
 // (nothing moves if the call was refused). The blocks wait only for a block that was running when
 // they arrived, so the wait ends. The move blocks never touch what the bookkeeping writes. See
 // "launch-wide hand-off" below.
+//
+// Page state: once everything else is valid, the bookkeeping block claims the call's pages (alloc:
+// the pages it pops and the last pages requests continue; commit: the draft pages) with atomic
+// exchanges to kPageMark. Each was checked before to be in the state the call needs (popped:
+// free; continued and draft pages: held), so a kPageMark read back is a page claimed twice: the
+// call is refused and every claimed page is set back to that state. Otherwise the writes give
+// each its final state by atomic exchange (popped: held; commit: released free, kept held).
 #include <cub/block/block_reduce.cuh>
 #include <cub/block/block_scan.cuh>
 
@@ -118,8 +125,9 @@ struct AllocOp {
   int64_t out_capacity;
   int group_size;
 
-  // One thread per request: only scalars and one slot to read.
-  __device__ void analyze_tile(Tile& t, int t0, int len) const {
+  // One thread per request: only scalars and one slot to read. check_state: the page continued
+  // must be held (pass 1 only: later passes run while pages are claimed).
+  __device__ void analyze_tile(Tile& t, int t0, int len, bool check_state) const {
     const int i = threadIdx.x;
     if (i >= len) return;
     Request q = load_request(a, t0 + i);
@@ -127,7 +135,7 @@ struct AllocOp {
     int64_t last_page = -1;
     if (ok && q.drafts > 0 && (q.len & ((1 << a.log2_page_size) - 1))) {
       last_page = load_index(a.req_to_token, q.row * a.max_context + q.len - 1) >> a.log2_page_size;
-      ok = last_page >= 0 && last_page < a.num_pages;
+      ok = last_page >= 0 && last_page < a.num_pages && (!check_state || a.page_state[last_page] == kPageHeld);
     }
     record(t, i, q, ok, pages_spanned(q.len, q.len + q.drafts, a.log2_page_size), q.drafts);
     t.last_page[i] = static_cast<int32_t>(last_page);
@@ -161,12 +169,59 @@ struct AllocOp {
     }
   }
 
+  // f(page_state entry) for the last page of every request that continues one.
+  template <class F>
+  __device__ bool each_continued(Tile& t, F f) const {
+    bool any = false;
+    const int B = a.num_requests;
+    for (int t0 = 0; t0 < B; t0 += kThreads) {
+      const int len = min(kThreads, B - t0);
+      if (B > kThreads) {  // else the tile of pass 1 is still here
+        analyze_tile(t, t0, len, false);
+        __syncthreads();
+      }
+      if (threadIdx.x < len && t.last_page[threadIdx.x] >= 0) any |= f(a.page_state + t.last_page[threadIdx.x]);
+      __syncthreads();
+    }
+    return any;
+  }
+
+  // Claims the pages popped (free_pages[top - pages, top)) and continued; true = a conflict (the
+  // call is refused, page_state is as it was). Every thread calls it; block-uniform result.
+  __device__ bool claim_pages(Tile& t, int64_t top, int64_t pages) const {
+    bool bad = false;
+    for (int64_t j = top - pages + threadIdx.x; j < top; j += kThreads) {
+      const int64_t p = a.free_pages[j];
+      bad |= p < 0 || p >= a.num_pages || a.page_state[p] != kPageFree;
+    }
+    if (__syncthreads_or(bad)) return true;  // nothing claimed yet
+    for (int64_t j = top - pages + threadIdx.x; j < top; j += kThreads) {
+      bad |= atomicExch(a.page_state + a.free_pages[j], kPageMark) == kPageMark;
+    }
+    bad |= each_continued(t, [](int32_t* s) { return atomicExch(s, kPageMark) == kPageMark; });
+    if (!__syncthreads_or(bad)) return false;
+    settle(t, top, pages, kPageFree);
+    return true;
+  }
+
+  // The claimed pages' final state: popped ones `popped`, continued ones held.
+  __device__ void settle(Tile& t, int64_t top, int64_t pages, int32_t popped) const {
+    for (int64_t j = top - pages + threadIdx.x; j < top; j += kThreads) {
+      atomicExch(a.page_state + a.free_pages[j], popped);
+    }
+    each_continued(t, [](int32_t* s) {
+      atomicExch(s, kPageHeld);
+      return false;
+    });
+  }
+
   __device__ void publish(int) const {}
 
   __device__ void refuse() const { fill_out(0); }
 
-  __device__ void finish(int64_t top, int64_t pages, int64_t tokens) const {
+  __device__ void finish(Tile& t, int64_t top, int64_t pages, int64_t tokens) const {
     fill_out(tokens);
+    settle(t, top, pages, kPageHeld);
     if (threadIdx.x == 0) *a.num_free = top - pages;
   }
 
@@ -228,7 +283,9 @@ struct CommitOp {
   bool prefix_only;    // page_size > 1 without KV buffers: accepted paths must be 0..k-1
 
   // One group of G lanes per request; every lane of the warp must call it (it shuffles).
-  __device__ void analyze_request(Tile& t, int i, int b, int lane, int G, bool active) const {
+  // check_state: every draft slot must be on a held page (pass 1 only: later passes, and the
+  // move blocks, run while the bookkeeping claims pages).
+  __device__ void analyze_request(Tile& t, int i, int b, int lane, int G, bool active, bool check_state) const {
     Request q{0, 0, 0, false};
     int64_t k = 0;
     if (active) {
@@ -256,7 +313,8 @@ struct CommitOp {
         const int d = lane + m * G;
         if (d < q.drafts) {
           const int64_t slot = load_index(a.req_to_token, base + d);
-          ok = ok && slot >= 0 && slot < slot_bound;
+          ok = ok && slot >= 0 && slot < slot_bound &&
+               (!check_state || a.page_state[slot >> a.log2_page_size] == kPageHeld);
         }
       }
     }
@@ -270,12 +328,69 @@ struct CommitOp {
     }
   }
 
-  __device__ void analyze_tile(Tile& t, int t0, int len) const {
+  __device__ void analyze_tile(Tile& t, int t0, int len, bool check_state) const {
     const Groups g(group_size);
     for (int base = 0; base < len; base += g.count) {  // uniform trip count: the group reductions
       const int i = base + g.id;
-      analyze_request(t, i, t0 + i, g.lane, g.G, i < len);
+      analyze_request(t, i, t0 + i, g.lane, g.G, i < len, check_state);
     }
+  }
+
+  // Draft page e of request i of the tile (reference.draft_pages): page_size 1 draft e's slot,
+  // else the page of page-block e's first draft position; and whether the commit releases it.
+  __device__ void draft_page(const Tile& t, int i, int e, int64_t& page, bool& released) const {
+    const int log2p = a.log2_page_size;
+    const int64_t L = t.len[i];
+    const int64_t block = ((L >> log2p) + e) << log2p;
+    page = load_index(a.req_to_token, int64_t{t.row[i]} * a.max_context + (block > L ? block : L)) >> log2p;
+    released = log2p == 0 ? !((t.mask[i] >> e) & 1) : block >= roundup(L + t.tokens[i], log2p);
+  }
+
+  __device__ int draft_page_count(const Tile& t, int i) const {
+    const int64_t L = t.len[i];
+    const int n = t.drafts[i];
+    return n == 0 ? 0 : static_cast<int>(((L + n - 1) >> a.log2_page_size) - (L >> a.log2_page_size)) + 1;
+  }
+
+  // f(page_state entry) for every draft page of the batch; returns whether any f returned true.
+  template <class F>
+  __device__ bool each_draft_page(Tile& t, F f) const {
+    const Groups g(group_size);
+    const int B = a.num_requests;
+    bool any = false;
+    for (int t0 = 0; t0 < B; t0 += kThreads) {
+      const int len = min(kThreads, B - t0);
+      if (B > kThreads) {  // else the tile of pass 1 is still here
+        analyze_tile(t, t0, len, false);
+        __syncthreads();
+      }
+      for (int i = g.id; i < len; i += g.count) {
+        const int count = draft_page_count(t, i);
+#pragma unroll
+        for (int m = 0; m < kItems; ++m) {
+          const int e = g.lane + m * g.G;
+          if (e >= count) break;
+          int64_t page;
+          bool released;
+          draft_page(t, i, e, page, released);
+          any |= f(a.page_state + page);
+        }
+      }
+      __syncthreads();
+    }
+    return any;
+  }
+
+  // Claims every draft page (all checked held in pass 1: kPageMark read back = claimed twice);
+  // true = a conflict (the call is refused, page_state is as it was). Block-uniform result.
+  __device__ bool claim_pages(Tile& t, int64_t, int64_t) const {
+    const bool twice = each_draft_page(t, [](int32_t* s) { return atomicExch(s, kPageMark) == kPageMark; });
+    if (!__syncthreads_or(twice)) return false;
+    each_draft_page(t, [](int32_t* s) {
+      atomicExch(s, kPageHeld);
+      return false;
+    });
+    return true;
   }
 
   __device__ int totals_code(int64_t released, int64_t, int64_t top) const {
@@ -312,8 +427,10 @@ struct CommitOp {
           const uint64_t below = mask & ((uint64_t{1} << d) - 1);  // d < 64
           if ((mask >> d) & 1) {
             store_index(a.req_to_token, row_base + L + __popcll(below), slot[m]);
+            atomicExch(a.page_state + slot[m], kPageHeld);
           } else {
             a.free_pages[push_at + d - __popcll(below)] = slot[m];
+            atomicExch(a.page_state + slot[m], kPageFree);
           }
         }
       } else {
@@ -321,6 +438,14 @@ struct CommitOp {
         const int64_t first = roundup(L + k, log2p);
         for (int64_t p = g.lane; active && first + (p << log2p) < L + n; p += g.G) {
           a.free_pages[push_at + p] = load_index(a.req_to_token, row_base + first + (p << log2p)) >> log2p;
+        }
+        // Every draft page's final state: released free, kept held.
+        const int count = active ? draft_page_count(t, i) : 0;
+        for (int e = g.lane; e < count; e += g.G) {
+          int64_t page;
+          bool released;
+          draft_page(t, i, e, page, released);
+          atomicExch(a.page_state + page, released ? kPageFree : kPageHeld);
         }
       }
       if (active && g.lane == 0) store_index(c.new_seq_lens, t0 + i, L + k);
@@ -341,7 +466,7 @@ struct CommitOp {
     }
   }
 
-  __device__ void finish(int64_t top, int64_t released, int64_t) const {
+  __device__ void finish(Tile&, int64_t top, int64_t released, int64_t) const {
     if (threadIdx.x == 0) *a.num_free = top + released;
   }
 };
@@ -385,7 +510,7 @@ __device__ void keep_books(const Op& op, const KvSlotBatch& a, Tile& tile) {
   Totals mine{0, 0, INT_MAX};
   for (int t0 = 0; t0 < B; t0 += kThreads) {
     const int len = min(kThreads, B - t0);
-    op.analyze_tile(tile, t0, len);
+    op.analyze_tile(tile, t0, len, true);
     __syncthreads();
     const int i = threadIdx.x;
     if (i < len) {
@@ -401,14 +526,21 @@ __device__ void keep_books(const Op& op, const KvSlotBatch& a, Tile& tile) {
     if (found) total.count = total.tokens = 0;
     int verdict = found ? kKvSlotsBadRequest : op.totals_code(total.count, total.tokens, top);
     if (top < 0 || top > a.num_pages) verdict = kKvSlotsBadStack;
-    a.status[0] = verdict;
-    a.status[1] = total.count;
-    a.status[2] = top;
-    a.status[3] = found ? total.bad : -1;
-    a.status[4] = total.tokens;
     batch = total;
     code = verdict;
-    op.publish(verdict);
+  }
+  __syncthreads();
+  // The page state last (claim_pages has barriers: every thread reads `code` before thread 0
+  // may change it).
+  const bool conflict = code == kKvSlotsOk && op.claim_pages(tile, top, batch.count);
+  if (threadIdx.x == 0) {
+    if (conflict) code = kKvSlotsPageConflict;
+    a.status[0] = code;
+    a.status[1] = batch.count;
+    a.status[2] = top;
+    a.status[3] = batch.bad != INT_MAX ? batch.bad : -1;
+    a.status[4] = batch.tokens;
+    op.publish(code);
   }
   __syncthreads();
   if (code != kKvSlotsOk) {
@@ -421,7 +553,7 @@ __device__ void keep_books(const Op& op, const KvSlotBatch& a, Tile& tile) {
   for (int t0 = 0; t0 < B; t0 += kThreads) {
     const int len = min(kThreads, B - t0);
     if (B > kThreads) {  // else the tile of pass 1 is still here
-      op.analyze_tile(tile, t0, len);
+      op.analyze_tile(tile, t0, len, false);
       __syncthreads();
     }
     const int i = threadIdx.x;
@@ -437,7 +569,7 @@ __device__ void keep_books(const Op& op, const KvSlotBatch& a, Tile& tile) {
     carry = AddOffsets()(carry, tile_total);
     __syncthreads();  // the tile and the scan storage are reused
   }
-  op.finish(top, batch.count, batch.tokens);
+  op.finish(tile, top, batch.count, batch.tokens);
 }
 
 __global__ void __launch_bounds__(kThreads)
@@ -486,7 +618,7 @@ __device__ void move_rows(const KvCommitArgs& c, int k, const int64_t* src, cons
 __device__ void move_kv_rows(const CommitOp& op, Tile& tile, int b, int share, int shares) {
   __shared__ int64_t src[kMaxDraftTokens], dst[kMaxDraftTokens];
   __shared__ int verdict;
-  if (threadIdx.x < 32) op.analyze_request(tile, 0, b, threadIdx.x, 32, true);
+  if (threadIdx.x < 32) op.analyze_request(tile, 0, b, threadIdx.x, 32, true, false);
   __syncthreads();
   const int k = tile.valid[0] ? tile.tokens[0] : 0;
   const uint64_t prefix = k == kMaxDraftTokens ? ~uint64_t{0} : (uint64_t{1} << k) - 1;

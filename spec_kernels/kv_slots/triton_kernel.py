@@ -310,32 +310,42 @@ def _commit_chunk(
 
 
 @triton.jit
-def _set_draft_pages(RTT, stride_rtt, STATE, r, L, n, k, mask, slots, live, MODE: tl.constexpr,
-                     LOG2P: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_Q: tl.constexpr):
-    """The draft pages of a chunk of requests (reference.draft_pages): MODE 0 claims them
-    (PAGE_MARK), 1 sets them back to held, 2 sets their final state (released: free, kept:
-    held). Returns whether a claim found a page claimed already."""
+def _set_draft_pages(RTT, stride_rtt, rows, max_ctx, RPI, SEQ, ND, ACC_LEN, STATE, max_draft, B, start,
+                     MODE: tl.constexpr, LOG2P: tl.constexpr, BLOCK_B: tl.constexpr, BLOCK_N: tl.constexpr,
+                     BLOCK_Q: tl.constexpr):
+    """The draft pages of a chunk of (valid) requests (reference.draft_pages): MODE 0 claims them
+    (PAGE_MARK), 1 sets them back to held; MODE 2, after the writes, sets the kept ones held (the
+    released ones are those pushed: _release_pushed). Returns whether a claim found a page
+    claimed already. Loads only what it needs (no pass-1 tile is live here)."""
     P: tl.constexpr = 1 << LOG2P
+    b, live, r, L, n, ok = _requests(rows, max_ctx, RPI, SEQ, ND, max_draft, B, start, BLOCK_B)
+    live = live & ok
+    end = L + n  # the draft positions [L, end) whose pages are set
+    if MODE == 2:
+        k = tl.load(ACC_LEN + b, mask=live, other=0).to(tl.int64)
+        end = tl.minimum(end, ((L + k + P - 1) >> LOG2P) << LOG2P)  # kept: P = 1 the remapped L .. L+k-1
     if LOG2P == 0:
         i = tl.arange(0, BLOCK_N)[None, :].to(tl.int64)
-        is_draft = live[:, None] & (i < n[:, None])
-        pages = slots
-        keep = ((mask[:, None] >> i) & 1) != 0
+        is_draft = live[:, None] & (L[:, None] + i < end[:, None])
+        pages = tl.load(RTT + r[:, None] * stride_rtt + L[:, None] + i, mask=is_draft, other=0).to(tl.int64)
     else:
         q = tl.arange(0, BLOCK_Q)[None, :].to(tl.int64)
         block = ((L >> LOG2P) << LOG2P)[:, None] + q * P  # first position of each page-block
         first = tl.maximum(block, L[:, None])  # its first draft position
-        is_draft = live[:, None] & (n[:, None] > 0) & (first < (L + n)[:, None])
+        is_draft = live[:, None] & (first < end[:, None])
         pages = tl.load(RTT + r[:, None] * stride_rtt + first, mask=is_draft, other=0).to(tl.int64) >> LOG2P
-        keep = block < (((L + k + P - 1) >> LOG2P) << LOG2P)[:, None]
-    if MODE == 0:
-        value = tl.full(pages.shape, _MARK, tl.int32)
-    elif MODE == 1:
-        value = tl.full(pages.shape, _HELD, tl.int32)
-    else:
-        value = tl.where(keep, _HELD, _FREE).to(tl.int32)
+    value = tl.full(pages.shape, _MARK if MODE == 0 else _HELD, tl.int32)
     old = tl.atomic_xchg(STATE + pages, value, mask=is_draft)
     return tl.max(tl.max(tl.where(is_draft & (old == _MARK), 1, 0), 1), 0)
+
+
+@triton.jit
+def _release_pushed(FREE, STATE, top, released, BLOCK: tl.constexpr):
+    """The pages a commit pushed (free_pages[top : top + released]) become free."""
+    for j0 in range(top, top + released, BLOCK):
+        j = j0 + tl.arange(0, BLOCK)
+        m = j < top + released
+        _set_pages(STATE, tl.load(FREE + j, mask=m, other=0), m, _FREE)
 
 
 @triton.jit
@@ -362,17 +372,12 @@ def _commit_books(
         # Claim the draft pages (all checked held): PAGE_MARK back means a page claimed twice.
         twice = tl.full([], 0, tl.int32)
         for start in range(0, B, BLOCK_B):
-            b, live, r, L, n, k, ok, mask, slots, rel = _commit_chunk(
-                RTT, stride_rtt, rows, max_ctx, RPI, SEQ, ND, ACC, stride_acc, width, ACC_LEN, slot_bound, STATE,
-                max_draft, B, start, LOG2P, PREFIX_ONLY, False, BLOCK_B, BLOCK_N, BLOCK_A)
-            twice = tl.maximum(twice, _set_draft_pages(RTT, stride_rtt, STATE, r, L, n, k, mask, slots, live, 0,
-                                                       LOG2P, BLOCK_N, BLOCK_Q))
+            twice = tl.maximum(twice, _set_draft_pages(RTT, stride_rtt, rows, max_ctx, RPI, SEQ, ND, ACC_LEN, STATE,
+                                                       max_draft, B, start, 0, LOG2P, BLOCK_B, BLOCK_N, BLOCK_Q))
         if twice != 0:  # refused: every claimed page back to held
             for start in range(0, B, BLOCK_B):
-                b, live, r, L, n, k, ok, mask, slots, rel = _commit_chunk(
-                    RTT, stride_rtt, rows, max_ctx, RPI, SEQ, ND, ACC, stride_acc, width, ACC_LEN, slot_bound, STATE,
-                    max_draft, B, start, LOG2P, PREFIX_ONLY, False, BLOCK_B, BLOCK_N, BLOCK_A)
-                _set_draft_pages(RTT, stride_rtt, STATE, r, L, n, k, mask, slots, live, 1, LOG2P, BLOCK_N, BLOCK_Q)
+                _set_draft_pages(RTT, stride_rtt, rows, max_ctx, RPI, SEQ, ND, ACC_LEN, STATE, max_draft, B, start, 1,
+                                 LOG2P, BLOCK_B, BLOCK_N, BLOCK_Q)
             code = tl.full([], _PAGE_CONFLICT, tl.int32)
     _write_status(STATUS, code, top, bad, B, released, accepted)
     if MOVES:  # every program waits for this; it also publishes the zeroed count of finished ones
@@ -387,7 +392,6 @@ def _commit_books(
                 max_draft, B, start, LOG2P, PREFIX_ONLY, False, BLOCK_B, BLOCK_N, BLOCK_A)
             push_at = top + carry + tl.cumsum(rel, 0) - rel  # request b pushes after requests 0..b-1
             row = r[:, None] * stride_rtt
-            _set_draft_pages(RTT, stride_rtt, STATE, r, L, n, k, mask, slots, live, 2, LOG2P, BLOCK_N, BLOCK_Q)
             if LOG2P == 0:
                 # Accepted draft i moves to position L + (accepted drafts before it); rejected ones
                 # are pushed in draft order. All slots were read above, before any is overwritten.
@@ -412,6 +416,12 @@ def _commit_books(
             b = start + tl.arange(0, BLOCK_B)
             tl.store(NEW_SEQ + b, tl.load(SEQ + b, mask=b < B), mask=b < B)
     if code == _OK:
+        # The claimed pages' final state: pushed ones free, kept ones held.
+        tl.debug_barrier()
+        _release_pushed(FREE, STATE, top, released, BLOCK_A * 4)
+        for start in range(0, B, BLOCK_B):
+            _set_draft_pages(RTT, stride_rtt, rows, max_ctx, RPI, SEQ, ND, ACC_LEN, STATE, max_draft, B, start, 2,
+                             LOG2P, BLOCK_B, BLOCK_N, BLOCK_Q)
         tl.store(NUM_FREE, top + released)
 
 

@@ -9,7 +9,10 @@ accesses to one address from different threads, at least one a write, not ordere
 __syncthreads (same block) or a __syncwarp (same warp), are reported as a race - across blocks
 nothing orders them, so any such pair is a race. Out-of-bounds accesses raise. Shuffles within a
 group of G lanes are butterflies over the 32 lanes (__shfl_xor_sync). cub's BlockReduce /
-BlockScan are modelled by their results (sums in thread order), not by their code.
+BlockScan are modelled by their results (sums in thread order), not by their code. Atomics
+(the page_state exchanges) never race with each other, but do with a plain access of another
+thread that no barrier orders; within a phase the threads' atomics take effect in thread order
+(one of the orders the hardware may pick).
 
 K is the number of threads per block: the kernel's kThreads = 1024; smaller K (32, 64) gives
 several request tiles per batch with small batches, which is what exercises pass 2's re-analysis
@@ -30,7 +33,8 @@ if str(REPO) not in sys.path:
 
 KERNEL = "csrc/kv_slots/kv_slots.cu"
 K_MAX_DRAFT = 64  # kMaxDraftTokens
-OK, OUT_OF_PAGES, BAD_REQUEST, BAD_STACK, OUT_TOO_SMALL = 0, 1, 2, 3, 4  # kKvSlots* status codes
+OK, OUT_OF_PAGES, BAD_REQUEST, BAD_STACK, OUT_TOO_SMALL, PAGE_CONFLICT = 0, 1, 2, 3, 4, 5  # kKvSlots* codes
+PAGE_FREE, PAGE_HELD, PAGE_MARK = 0, 1, 2  # kPage*
 INT_MAX = 2**31 - 1
 M64 = (1 << 64) - 1
 
@@ -60,8 +64,8 @@ class Tracker:
         me = (ctx.block, ctx.tid, ctx.warp, ctx.bepoch, ctx.wepoch, kind)
         lst = self.log.setdefault(key, [])
         for o in lst:
-            if o[5] == "r" and kind == "r":
-                continue  # two reads never conflict
+            if (o[5] == "r" and kind == "r") or (o[5] == "a" and kind == "a"):
+                continue  # two reads, or two atomics, never conflict
             if (o[0], o[1]) == (me[0], me[1]):
                 continue  # program order within a thread
             if o[0] == me[0]:
@@ -101,6 +105,13 @@ class Arr:
         self.t.access(self.name, i, ctx, "w")
         self.d[i] = i32(v) if self.bits == 32 else (i64(v) if self.bits == 64 else v)
 
+    def xchg(self, i, v, ctx):  # atomicExch: returns the old value
+        assert 0 <= i < len(self.d), f"OOB atomic {self.name}[{i}] (size {len(self.d)})"
+        self.t.access(self.name, i, ctx, "a")
+        old = self.d[i]
+        self.d[i] = i32(v) if self.bits == 32 else (i64(v) if self.bits == 64 else v)
+        return old
+
 
 class Heap:
     """KV memory: bytes, tracked per unit-sized access at its byte address (one copy unit per
@@ -134,6 +145,10 @@ class Block:
     def syncwarp(self, warp):
         for c in self.ctx[warp * 32:(warp + 1) * 32]:
             c.wepoch += 1
+
+    def sync_or(self, vals):  # __syncthreads_or(vals[tid])
+        self.sync()
+        return any(vals)
 
 
 # ----------------------------------------------------------------------------- helpers
@@ -219,7 +234,7 @@ class AllocOp:
     def __init__(self, a, out, out_capacity, group_size, K):
         self.a, self.out, self.out_capacity, self.group_size, self.K = a, out, out_capacity, group_size, K
 
-    def analyze_tile(self, blk, t, t0, ln):
+    def analyze_tile(self, blk, t, t0, ln, check_state):
         a = self.a
         for ctx in blk.ctx:
             i = ctx.tid
@@ -230,7 +245,8 @@ class AllocOp:
             last_page = -1
             if ok and q[2] > 0 and (q[1] & ((1 << a.log2_page_size) - 1)):
                 last_page = load_index(a.req_to_token, q[0] * a.max_context + q[1] - 1, ctx) >> a.log2_page_size
-                ok = last_page >= 0 and last_page < a.num_pages
+                ok = (last_page >= 0 and last_page < a.num_pages
+                      and (not check_state or a.page_state.ld(last_page, ctx) == PAGE_HELD))
             record(t, i, q, ok, pages_spanned(q[1], q[1] + q[2], a.log2_page_size), q[2], ctx)
             t.u.st(i, i32(last_page), ctx)
 
@@ -263,14 +279,69 @@ class AllocOp:
                     self.out.st(t.token_off.ld(i, ctx) + d, slot, ctx)
                 i += gcount
 
+    def each_continued(self, blk, t, f):
+        """f(page, ctx) for the last page of every request that continues one; per-thread ORs."""
+        a, K = self.a, self.K
+        B = a.num_requests
+        anys = [False] * K
+        t0 = 0
+        while t0 < B:
+            ln = min(K, B - t0)
+            if B > K:
+                self.analyze_tile(blk, t, t0, ln, False)
+                blk.sync()
+            for ctx in blk.ctx:
+                if ctx.tid < ln:
+                    lp = t.u.ld(ctx.tid, ctx)
+                    if lp >= 0:
+                        anys[ctx.tid] |= f(lp, ctx)
+            blk.sync()
+            t0 += K
+        return anys
+
+    def popped(self, blk, top, pages, f):
+        """f(j, ctx) for the stack entries the call pops, thread tid taking j = top - pages + tid + K*i."""
+        for ctx in blk.ctx:
+            j = top - pages + ctx.tid
+            while j < top:
+                f(j, ctx)
+                j += self.K
+
+    def claim_pages(self, blk, t, top, pages):
+        a = self.a
+        bad = [False] * self.K
+
+        def check(j, ctx):
+            p = a.free_pages.ld(j, ctx)
+            bad[ctx.tid] |= p < 0 or p >= a.num_pages or a.page_state.ld(p, ctx) != PAGE_FREE
+        self.popped(blk, top, pages, check)
+        if blk.sync_or(bad):
+            return True  # nothing claimed yet
+
+        def claim(j, ctx):
+            bad[ctx.tid] |= a.page_state.xchg(a.free_pages.ld(j, ctx), PAGE_MARK, ctx) == PAGE_MARK
+        self.popped(blk, top, pages, claim)
+        cont = self.each_continued(blk, t, lambda p, ctx: a.page_state.xchg(p, PAGE_MARK, ctx) == PAGE_MARK)
+        bad = [x or y for x, y in zip(bad, cont)]
+        if not blk.sync_or(bad):
+            return False
+        self.settle(blk, t, top, pages, PAGE_FREE)
+        return True
+
+    def settle(self, blk, t, top, pages, popped):
+        a = self.a
+        self.popped(blk, top, pages, lambda j, ctx: a.page_state.xchg(a.free_pages.ld(j, ctx), popped, ctx))
+        self.each_continued(blk, t, lambda p, ctx: a.page_state.xchg(p, PAGE_HELD, ctx) and False)
+
     def publish(self, code):
         pass
 
     def refuse(self, blk):
         self.fill_out(blk, 0)
 
-    def finish(self, blk, top, pages, tokens):
+    def finish(self, blk, t, top, pages, tokens):
         self.fill_out(blk, tokens)
+        self.settle(blk, t, top, pages, PAGE_HELD)
         ctx = blk.ctx[0]
         self.a.num_free.st(0, top - pages, ctx)
 
@@ -288,7 +359,7 @@ class CommitOp:
         self.a, self.c, self.group_size, self.slot_bound, self.prefix_only, self.K = (
             a, c, group_size, slot_bound, prefix_only, K)
 
-    def analyze_request_warp(self, ctxs, t, items, G):
+    def analyze_request_warp(self, ctxs, t, items, G, check_state):
         """ctxs: the 32 threads of a warp; items[lane] = (i, b, active) for that lane's group."""
         a, c = self.a, self.c
         oks, masks, qs, ks = [], [], [], []
@@ -319,7 +390,8 @@ class CommitOp:
                     d = lane + m * G
                     if d < q[2]:
                         slot = load_index(a.req_to_token, base + d, ctx)
-                        ok = ok and slot >= 0 and slot < self.slot_bound
+                        ok = (ok and slot >= 0 and slot < self.slot_bound
+                              and (not check_state or a.page_state.ld(slot >> a.log2_page_size, ctx) == PAGE_HELD))
             oks.append(ok)
             masks.append(mask)
             qs.append(q)
@@ -336,7 +408,7 @@ class CommitOp:
                 record(t, i, q, oks[lane_w], released, k, ctx)
                 t.u.st(i, masks[lane_w], ctx)
 
-    def analyze_tile(self, blk, t, t0, ln):
+    def analyze_tile(self, blk, t, t0, ln, check_state):
         G = self.group_size
         gcount = self.K // G
         base = 0
@@ -347,8 +419,61 @@ class CommitOp:
                 for ctx in ctxs:
                     i = base + ctx.tid // G
                     items.append((i, t0 + i, i < ln))
-                self.analyze_request_warp(ctxs, t, items, G)
+                self.analyze_request_warp(ctxs, t, items, G, check_state)
             base += gcount
+
+    def draft_page(self, t, i, e, ctx):
+        """(page, released) of draft page e of request i of the tile."""
+        a = self.a
+        log2p = a.log2_page_size
+        L = t.len.ld(i, ctx)
+        block = ((L >> log2p) + e) << log2p
+        page = load_index(a.req_to_token, t.row.ld(i, ctx) * a.max_context + (block if block > L else L), ctx) >> log2p
+        if log2p == 0:
+            released = not ((t.u.ld(i, ctx) >> e) & 1)
+        else:
+            released = block >= roundup(L + t.tokens.ld(i, ctx), log2p)
+        return page, released
+
+    def draft_page_count(self, t, i, ctx):
+        L, n = t.len.ld(i, ctx), t.drafts.ld(i, ctx)
+        log2p = self.a.log2_page_size
+        return 0 if n == 0 else ((L + n - 1) >> log2p) - (L >> log2p) + 1
+
+    def each_draft_page(self, blk, t, f):
+        """f(page, ctx) for every draft page of the batch; per-thread ORs of its results."""
+        a, K, G = self.a, self.K, self.group_size
+        B = a.num_requests
+        anys = [False] * K
+        t0 = 0
+        while t0 < B:
+            ln = min(K, B - t0)
+            if B > K:
+                self.analyze_tile(blk, t, t0, ln, False)
+                blk.sync()
+            for ctx in blk.ctx:
+                G_, lane, gid, gcount = groups(ctx.tid, G, K)
+                i = gid
+                while i < ln:
+                    count = self.draft_page_count(t, i, ctx)
+                    for m in range(K_MAX_DRAFT // 32):
+                        e = lane + m * G
+                        if e >= count:
+                            break
+                        page, _ = self.draft_page(t, i, e, ctx)
+                        anys[ctx.tid] |= f(page, ctx)
+                    i += gcount
+            blk.sync()
+            t0 += K
+        return anys
+
+    def claim_pages(self, blk, t, top, released):
+        ps = self.a.page_state
+        twice = self.each_draft_page(blk, t, lambda p, ctx: ps.xchg(p, PAGE_MARK, ctx) == PAGE_MARK)
+        if not blk.sync_or(twice):
+            return False
+        self.each_draft_page(blk, t, lambda p, ctx: ps.xchg(p, PAGE_HELD, ctx) and False)
+        return True
 
     def totals_code(self, released, tokens, top):
         return BAD_STACK if top + released > self.a.num_pages else OK
@@ -394,8 +519,10 @@ class CommitOp:
                             below = mask & ((1 << d) - 1)
                             if (mask >> d) & 1:
                                 store_index(a.req_to_token, r["row_base"] + L + bin(below).count("1"), r["slot"][m], ctx)
+                                a.page_state.xchg(r["slot"][m], PAGE_HELD, ctx)
                             else:
                                 a.free_pages.st(r["push_at"] + d - bin(below).count("1"), r["slot"][m], ctx)
+                                a.page_state.xchg(r["slot"][m], PAGE_FREE, ctx)
                     else:
                         first = roundup(L + k, log2p)
                         p = lane
@@ -404,6 +531,12 @@ class CommitOp:
                                             load_index(a.req_to_token, r["row_base"] + first + (p << log2p), ctx)
                                             >> log2p, ctx)
                             p += G
+                        count = self.draft_page_count(t, i, ctx) if active else 0
+                        e = lane
+                        while e < count:
+                            page, released = self.draft_page(t, i, e, ctx)
+                            a.page_state.xchg(page, PAGE_FREE if released else PAGE_HELD, ctx)
+                            e += G
                     if active and lane == 0:
                         store_index(c.new_seq_lens, t0 + i, L + k, ctx)
             base += gcount
@@ -422,7 +555,7 @@ class CommitOp:
                 store_index(self.c.new_seq_lens, b, load_index(self.a.seq_lens, b, ctx), ctx)
                 b += self.K
 
-    def finish(self, blk, top, released, tokens):
+    def finish(self, blk, t, top, released, tokens):
         self.a.num_free.st(0, top + released, blk.ctx[0])
 
 
@@ -434,7 +567,7 @@ def keep_books(op, a, blk, tile, K):
     t0 = 0
     while t0 < B:
         ln = min(K, B - t0)
-        op.analyze_tile(blk, tile, t0, ln)
+        op.analyze_tile(blk, tile, t0, ln, True)
         blk.sync()
         for ctx in blk.ctx:
             i = ctx.tid
@@ -453,10 +586,14 @@ def keep_books(op, a, blk, tile, K):
     verdict = BAD_REQUEST if found else op.totals_code(total[0], total[1], top[0])
     if top[0] < 0 or top[0] > a.num_pages:
         verdict = BAD_STACK
-    for idx, v in enumerate([verdict, total[0], top[0], total[2] if found else -1, total[1]]):
-        a.status.st(idx, v, ctx)
     batch, code = total, verdict
-    op.publish(verdict)
+    blk.sync()
+    conflict = code == OK and op.claim_pages(blk, tile, top[0], batch[0])
+    if conflict:
+        code = PAGE_CONFLICT
+    for idx, v in enumerate([code, batch[0], top[0], batch[2] if batch[2] != INT_MAX else -1, batch[1]]):
+        a.status.st(idx, v, ctx)
+    op.publish(code)
     blk.sync()
     if code != OK:
         op.refuse(blk)
@@ -466,7 +603,7 @@ def keep_books(op, a, blk, tile, K):
     while t0 < B:
         ln = min(K, B - t0)
         if B > K:
-            op.analyze_tile(blk, tile, t0, ln)
+            op.analyze_tile(blk, tile, t0, ln, False)
             blk.sync()
         v = []
         for ctx in blk.ctx:
@@ -488,7 +625,7 @@ def keep_books(op, a, blk, tile, K):
         carry = [i32(carry[0] + tile_total[0]), i32(carry[1] + tile_total[1])]
         blk.sync()
         t0 += K
-    op.finish(blk, top[0], batch[0], batch[1])
+    op.finish(blk, tile, top[0], batch[0], batch[1])
 
 
 def alloc_kernel(a, out, out_capacity, group_size, K, tr):
@@ -562,7 +699,7 @@ def move_kv_rows(op, blk, tile, b, share, shares, heap, K, tr):
     src = Arr(f"b{blk.ctx[0].block}.src", [0] * K_MAX_DRAFT, tr)
     dst = Arr(f"b{blk.ctx[0].block}.dst", [0] * K_MAX_DRAFT, tr)
     ctxs = blk.ctx[:32]
-    op.analyze_request_warp(ctxs, tile, [(0, b, True)] * 32, 32)
+    op.analyze_request_warp(ctxs, tile, [(0, b, True)] * 32, 32, False)
     blk.sync()
     ctx0 = blk.ctx[0]
     valid = tile.valid.ld(0, ctx0)
@@ -669,25 +806,28 @@ def _back(a, like):
     return torch.tensor(a.d, dtype=like.dtype).reshape(like.shape)
 
 
-def _batch(tr, rtt, rpi, seq, nd, free, num_free, page_size, max_draft):
+def _batch(tr, rtt, rpi, seq, nd, free, num_free, page_state, page_size, max_draft):
     """KvSlotBatch as kv_slot_batch() in ops.cpp fills it."""
     return Batch(req_to_token=_arr("req_to_token", rtt, tr), num_rows=rtt.shape[0], max_context=rtt.shape[1],
                  req_pool_indices=_arr("req_pool_indices", rpi, tr), seq_lens=_arr("seq_lens", seq, tr),
                  num_draft=_arr("num_draft", nd, tr), num_requests=rpi.numel(), free_pages=_arr("free_pages", free, tr),
                  num_pages=free.numel(), num_free=_arr("num_free", num_free, tr),
+                 page_state=_arr("page_state", page_state, tr),
                  log2_page_size=page_size.bit_length() - 1, max_draft=max_draft, status=Arr("status", [-9] * 5, tr, 64))
 
 
-def emulate_alloc(req_to_token, req_pool_indices, seq_lens, num_draft, free_pages, num_free, page_size, max_draft,
-                  out_capacity, threads=1024):
+def emulate_alloc(req_to_token, req_pool_indices, seq_lens, num_draft, free_pages, num_free, page_state, page_size,
+                  max_draft, out_capacity, threads=1024):
     """launch_alloc_draft_slots. Returns dict of the resulting req_to_token, free_pages,
-    num_free, out_cache_loc (entries never written stay -9), status and races."""
+    num_free, page_state, out_cache_loc (entries never written stay -9), status and races."""
     tr = Tracker()
-    a = _batch(tr, req_to_token, req_pool_indices, seq_lens, num_draft, free_pages, num_free, page_size, max_draft)
+    a = _batch(tr, req_to_token, req_pool_indices, seq_lens, num_draft, free_pages, num_free, page_state, page_size,
+               max_draft)
     out = Arr("out_cache_loc", [-9] * out_capacity, tr, 64)
     alloc_kernel(a, out, out_capacity, group_size_for(max_draft), threads, tr)
     return dict(req_to_token=_back(a.req_to_token, req_to_token), free_pages=_back(a.free_pages, free_pages),
-                num_free=_back(a.num_free, num_free), out_cache_loc=torch.tensor(out.d, dtype=torch.int64),
+                num_free=_back(a.num_free, num_free), page_state=_back(a.page_state, page_state),
+                out_cache_loc=torch.tensor(out.d, dtype=torch.int64),
                 status=torch.tensor(a.status.d, dtype=torch.int64), races=tr.races)
 
 
@@ -713,15 +853,16 @@ def _kv_heap(kv_buffers):
 
 
 def emulate_commit(req_to_token, req_pool_indices, seq_lens, num_draft, accept_index, accept_len, free_pages,
-                   num_free, page_size, max_draft, kv_buffers=(), threads=1024, kv_blocks_per_request=1,
+                   num_free, page_state, page_size, max_draft, kv_buffers=(), threads=1024, kv_blocks_per_request=1,
                    seed=0, scratch=(0, 0, 0), tag=1 << 32):
     """launch_commit_draft_slots, its blocks interleaved as commit_kernel says (seed). scratch:
     the hand-off words before the launch (any contents), tag: the call's tag. Returns dict of the
-    resulting req_to_token, free_pages, num_free, new_seq_lens (-9 = never written), status,
-    kv_buffers (new tensors with the emulated contents), kv_storages ({storage address: bytes}),
-    scratch (after the launch) and races."""
+    resulting req_to_token, free_pages, num_free, page_state, new_seq_lens (-9 = never written),
+    status, kv_buffers (new tensors with the emulated contents), kv_storages ({storage address:
+    bytes}), scratch (after the launch) and races."""
     tr = Tracker()
-    a = _batch(tr, req_to_token, req_pool_indices, seq_lens, num_draft, free_pages, num_free, page_size, max_draft)
+    a = _batch(tr, req_to_token, req_pool_indices, seq_lens, num_draft, free_pages, num_free, page_state, page_size,
+               max_draft)
     kv_buffers = list(kv_buffers)
     table, nb, unit, rows = None, 0, 1, 0
     heap_bytes, where = np.zeros(16, np.uint8), {}
@@ -753,7 +894,8 @@ def emulate_commit(req_to_token, req_pool_indices, seq_lens, num_draft, accept_i
         flat = torch.from_numpy(b[: b.size - b.size % t.element_size()].copy()).view(t.dtype)
         new_kv.append(flat.as_strided(t.shape, t.stride(), t.storage_offset()))
     return dict(req_to_token=_back(a.req_to_token, req_to_token), free_pages=_back(a.free_pages, free_pages),
-                num_free=_back(a.num_free, num_free), new_seq_lens=_back(new, seq_lens),
+                num_free=_back(a.num_free, num_free), page_state=_back(a.page_state, page_state),
+                new_seq_lens=_back(new, seq_lens),
                 status=torch.tensor(a.status.d, dtype=torch.int64), kv_buffers=new_kv, kv_storages=storages,
                 scratch=list(sync.w), races=tr.races)
 
@@ -763,7 +905,7 @@ class Stats:
     """Counters of one check case, and the first few problems found."""
 
     def __init__(self):
-        self.n = dict(alloc=0, alloc_refused=0, commit=0, commit_refused=0, commit_moves=0,
+        self.n = dict(alloc=0, alloc_refused=0, commit=0, commit_refused=0, commit_moves=0, page_conflicts=0,
                       mismatch=0, races=0)
         self.notes = []
 
@@ -788,35 +930,39 @@ def _compare(stats, op, ctx, names, want, got, races):
     return ok
 
 
-def check_alloc(stats, ctx, rtt, rpi, seq, nd, free, num_free, page_size, max_draft, out_cap, threads):
+def check_alloc(stats, ctx, rtt, rpi, seq, nd, free, num_free, state, page_size, max_draft, out_cap, threads):
     """Reference and emulation on the same inputs; every output compared bit for bit."""
     from spec_kernels.kv_slots import reference as R
-    r_rtt, r_free, r_nf = rtt.clone(), free.clone(), num_free.clone()
+    r_rtt, r_free, r_nf, r_state = rtt.clone(), free.clone(), num_free.clone(), state.clone()
     r_out = torch.full((out_cap,), -9, dtype=torch.int64)
     r_st = torch.full((R.STATUS_LEN,), -9, dtype=torch.int64)
-    R.alloc_draft_slots(r_rtt, rpi, seq, nd, r_free, r_nf, page_size, max_draft, r_out, r_st)
-    e = emulate_alloc(rtt, rpi, seq, nd, free, num_free, page_size, max_draft, out_cap, threads)
-    names = ["req_to_token", "free_pages", "num_free", "out_cache_loc", "status"]
-    ok = _compare(stats, "alloc", ctx, names, [r_rtt, r_free, r_nf, r_out, r_st], [e[n] for n in names], e["races"])
+    R.alloc_draft_slots(r_rtt, rpi, seq, nd, r_free, r_nf, r_state, page_size, max_draft, r_out, r_st)
+    e = emulate_alloc(rtt, rpi, seq, nd, free, num_free, state, page_size, max_draft, out_cap, threads)
+    names = ["req_to_token", "free_pages", "num_free", "page_state", "out_cache_loc", "status"]
+    ok = _compare(stats, "alloc", ctx, names, [r_rtt, r_free, r_nf, r_state, r_out, r_st], [e[n] for n in names],
+                  e["races"])
     stats.n["alloc"] += 1
     stats.n["alloc_refused"] += int(r_st[0].item() != OK)
-    return ok, dict(status=r_st, req_to_token=r_rtt, free_pages=r_free, num_free=r_nf, out_cache_loc=r_out)
+    stats.n["page_conflicts"] += int(r_st[0].item() == PAGE_CONFLICT)
+    return ok, dict(status=r_st, req_to_token=r_rtt, free_pages=r_free, num_free=r_nf, page_state=r_state,
+                    out_cache_loc=r_out)
 
 
-def check_commit(stats, ctx, rtt, rpi, seq, nd, acc, acc_len, free, num_free, page_size, max_draft, kv, threads,
-                 kv_blocks_per_request=1, seed=0, scratch=(0, 0, 0)):
+def check_commit(stats, ctx, rtt, rpi, seq, nd, acc, acc_len, free, num_free, state, page_size, max_draft, kv,
+                 threads, kv_blocks_per_request=1, seed=0, scratch=(0, 0, 0)):
     """Reference and emulation on the same inputs, compared bit for bit, KV contents included
     (a refused call moves no row), and the hand-off's scratch zeroed afterwards."""
     from spec_kernels.kv_slots import reference as R
-    e = emulate_commit(rtt, rpi, seq, nd, acc, acc_len, free, num_free, page_size, max_draft, kv, threads,
+    e = emulate_commit(rtt, rpi, seq, nd, acc, acc_len, free, num_free, state, page_size, max_draft, kv, threads,
                        kv_blocks_per_request, seed, scratch)
-    r_rtt, r_free, r_nf = rtt.clone(), free.clone(), num_free.clone()
+    r_rtt, r_free, r_nf, r_state = rtt.clone(), free.clone(), num_free.clone(), state.clone()
     r_new = torch.full_like(seq, -9)
     r_st = torch.full((R.STATUS_LEN,), -9, dtype=torch.int64)
-    R.commit_draft_slots(r_rtt, rpi, seq, nd, acc, acc_len, r_free, r_nf, page_size, max_draft, kv, r_new, r_st)
+    R.commit_draft_slots(r_rtt, rpi, seq, nd, acc, acc_len, r_free, r_nf, r_state, page_size, max_draft, kv, r_new,
+                         r_st)
     refused = r_st[0].item() != OK
-    names = ["req_to_token", "free_pages", "num_free", "new_seq_lens", "status"]
-    want = [r_rtt, r_free, r_nf, r_new, r_st]
+    names = ["req_to_token", "free_pages", "num_free", "page_state", "new_seq_lens", "status"]
+    want = [r_rtt, r_free, r_nf, r_state, r_new, r_st]
     got = [e[n] for n in names]
     for ptr, b in e["kv_storages"].items():  # the reference ran on kv itself: whole storages, byte for byte
         st = next(t.untyped_storage() for t in kv if t.untyped_storage().data_ptr() == ptr)
@@ -832,7 +978,9 @@ def check_commit(stats, ctx, rtt, rpi, seq, nd, acc, acc_len, free, num_free, pa
     stats.n["commit"] += 1
     stats.n["commit_refused"] += int(refused)
     stats.n["commit_moves"] += int(moves and not refused)
-    return ok, dict(status=r_st, req_to_token=r_rtt, free_pages=r_free, num_free=r_nf, new_seq_lens=r_new)
+    stats.n["page_conflicts"] += int(r_st[0].item() == PAGE_CONFLICT)
+    return ok, dict(status=r_st, req_to_token=r_rtt, free_pages=r_free, num_free=r_nf, page_state=r_state,
+                    new_seq_lens=r_new)
 
 
 class World:
@@ -865,6 +1013,7 @@ class World:
         self.rtt = torch.full((self.rows, self.max_context), -1, dtype=self.rtt_dtype)
         self.free = torch.tensor(order, dtype=torch.int64)
         self.num_free = torch.tensor([self.num_pages], dtype=torch.int64)
+        self.state = torch.zeros(self.num_pages, dtype=torch.int32)  # every page free
         self.lens = {}
         self.S = self.num_pages * self.P
 
@@ -893,7 +1042,7 @@ class World:
         out = torch.empty(n, dtype=torch.int64)
         st = torch.empty(R.STATUS_LEN, dtype=torch.int64)
         R.alloc_draft_slots(self.rtt, torch.tensor([row]), torch.tensor([0]), torch.tensor([n]), self.free,
-                            self.num_free, self.P, self.max_context, out, st)
+                            self.num_free, self.state, self.P, self.max_context, out, st)
         if st[0].item() != OK:
             return False
         self.lens[row] = n
@@ -906,6 +1055,12 @@ class World:
         top = int(self.num_free.item())
         self.free[top:top + len(pages)] = torch.tensor(pages, dtype=torch.int64)
         self.num_free += len(pages)
+        self.state[torch.tensor(pages, dtype=torch.int64)] = PAGE_FREE
+
+    def take(self, ref):
+        """The state after an accepted call (the reference's outputs)."""
+        self.rtt, self.free, self.num_free, self.state = (ref[k] for k in ("req_to_token", "free_pages", "num_free",
+                                                                           "page_state"))
 
     def write_kv(self, slots):
         """Random contents for these slots' rows, so that a wrong move shows."""
@@ -917,11 +1072,13 @@ class World:
             else:
                 buf[slots] = torch.randint(-1000, 1000, shape).to(buf.dtype)
 
-    def alloc(self, stats, ctx, rpi, seq, nd, out_cap, rtt=None, num_free=None):
-        return check_alloc(stats, ctx, self.rtt if rtt is None else rtt, rpi, seq, nd, self.free,
-                           self.num_free if num_free is None else num_free, self.P, self.max_draft, out_cap, self.threads)
+    def alloc(self, stats, ctx, rpi, seq, nd, out_cap, rtt=None, num_free=None, free=None, state=None):
+        return check_alloc(stats, ctx, self.rtt if rtt is None else rtt, rpi, seq, nd,
+                           self.free if free is None else free, self.num_free if num_free is None else num_free,
+                           self.state if state is None else state, self.P, self.max_draft, out_cap, self.threads)
 
-    def commit(self, stats, ctx, rpi, seq, nd, acc, acc_len, use_kv, kv_rows=None, num_free=None, rtt=None):
+    def commit(self, stats, ctx, rpi, seq, nd, acc, acc_len, use_kv, kv_rows=None, num_free=None, rtt=None,
+               state=None):
         kv = self.kv if use_kv else []
         if kv_rows is not None:
             kv = [t[:kv_rows] for t in kv]
@@ -930,7 +1087,8 @@ class World:
         scratch = self.rng.choice([(0, 0, 0), (old << TAG_SHIFT | 7, old << TAG_SHIFT | 2, old << TAG_SHIFT | 9),
                                    (M64, 12345, 1 << 62)])
         return check_commit(stats, ctx, self.rtt if rtt is None else rtt, rpi, seq, nd, acc, acc_len, self.free,
-                            self.num_free if num_free is None else num_free, self.P, self.max_draft, kv,
+                            self.num_free if num_free is None else num_free, self.state if state is None else state,
+                            self.P, self.max_draft, kv,
                             self.threads, self.rng.choice([1, 2, 3]), self.rng.randrange(1 << 30), scratch)
 
 
@@ -973,9 +1131,12 @@ def run_world(seed, threads, steps):
 
         if rows and rng.random() < 0.3:  # an invalid alloc: must be refused, changing nothing
             b = rng.randrange(len(rows))
-            what = rng.choice(["nd", "seq", "rpi", "nf", "last", "out", "nf_neg"])
+            what = rng.choice(["nd", "seq", "rpi", "nf", "last", "out", "nf_neg", "last_free", "pop_held", "pop_twice",
+                               "pop_outside", "share_last"])
             bad = dict(rpi=rpi.clone(), seq=seq.clone(), nd=nd.clone())
-            rtt, nf, cap = None, None, tokens
+            rtt, nf, cap, free, state = None, None, tokens, None, None
+            top = int(w.num_free.item())
+            need = sum(pages_spanned(L, L + n, w.P.bit_length() - 1) for L, n in zip(lens, counts))
             if what == "nd":
                 bad["nd"][b] = rng.choice([-1, w.max_draft + 1])
             elif what == "seq":
@@ -991,12 +1152,35 @@ def run_world(seed, threads, steps):
                 rtt[rows[b], max(lens[b] - 1, 0)] = rng.choice([-5, w.S + w.P * 3])
             elif what == "out":
                 cap = max(0, tokens - 1)
-            w.alloc(stats, dict(ctx, bad=what), bad["rpi"], bad["seq"], bad["nd"], cap, rtt=rtt, num_free=nf)
+            elif what == "last_free" and counts[b] and lens[b] % w.P:  # the continued page is not held
+                state = w.state.clone()
+                state[int(w.rtt[rows[b], lens[b] - 1]) // w.P] = PAGE_FREE
+            elif what == "pop_held" and 1 <= need <= top:  # a held page on top of the stack
+                held = (w.state == PAGE_HELD).nonzero().flatten().tolist()
+                if held:
+                    free = w.free.clone()
+                    free[top - 1] = rng.choice(held)
+            elif what == "pop_twice" and 2 <= need <= top:  # the stack's top page again below it
+                free = w.free.clone()
+                free[top - 1 - rng.randrange(1, need)] = free[top - 1]
+            elif what == "pop_outside" and 1 <= need <= top:
+                free = w.free.clone()
+                free[top - rng.randint(1, need)] = rng.choice([-1, w.num_pages])
+            elif what == "share_last":  # two requests continue one page
+                partial = [i for i in range(len(rows)) if lens[i] % w.P and lens[i] > 0]
+                if len(partial) >= 2:
+                    i, j = rng.sample(partial, 2)
+                    rtt = w.rtt.clone()
+                    rtt[rows[j], lens[j] - 1] = (int(w.rtt[rows[i], lens[i] - 1]) // w.P) * w.P + (lens[j] - 1) % w.P
+                    bad["nd"][i], bad["nd"][j] = max(1, counts[i]), max(1, counts[j])
+                    cap = tokens + 2
+            w.alloc(stats, dict(ctx, bad=what), bad["rpi"], bad["seq"], bad["nd"], cap, rtt=rtt, num_free=nf,
+                    free=free, state=state)
 
         _, ref = w.alloc(stats, ctx, rpi, seq, nd, tokens + rng.choice([0, 0, 3]))
         if ref["status"][0].item() != OK:
             continue  # out of pages: nothing changed
-        w.rtt, w.free, w.num_free = ref["req_to_token"], ref["free_pages"], ref["num_free"]
+        w.take(ref)
         w.write_kv(ref["out_cache_loc"][:tokens])
 
         paths = [random_path(rng, n) for n in counts]
@@ -1009,8 +1193,9 @@ def run_world(seed, threads, steps):
 
         if rows and rng.random() < 0.3:  # an invalid commit
             b = rng.randrange(len(rows))
-            what = rng.choice(["acc_len", "order", "pad", "slot", "nf", "kvrows", "noprefix", "nf_neg"])
-            a2, l2, rtt, nf, kv_rows = acc.clone(), acc_len.clone(), None, None, None
+            what = rng.choice(["acc_len", "order", "pad", "slot", "nf", "kvrows", "noprefix", "nf_neg", "draft_free",
+                               "share", "share_own"])
+            a2, l2, rtt, nf, kv_rows, state = acc.clone(), acc_len.clone(), None, None, None, None
             if what == "acc_len":
                 l2[b] = counts[b] + 1
             elif what == "order" and len(paths[b]) >= 2:
@@ -1026,14 +1211,41 @@ def run_world(seed, threads, steps):
                 nf = torch.tensor([-1])
             elif what == "kvrows" and w.P > 1:
                 kv_rows = max(1, w.S // 2)
-            w.commit(stats, dict(ctx, bad=what), rpi, seq, nd, a2, l2, use_kv, kv_rows=kv_rows, num_free=nf, rtt=rtt)
+            elif what == "draft_free" and counts[b]:  # a draft on a page that is not held
+                state = w.state.clone()
+                state[int(w.rtt[rows[b], lens[b] + rng.randrange(counts[b])]) // w.P] = PAGE_FREE
+            elif what in ("share", "share_own"):  # a draft position on a page of another draft block
+                drafted = [i for i in range(len(rows)) if counts[i]]
+                if drafted:
+                    i = rng.choice(drafted)
+                    j = i if what == "share_own" else rng.choice(drafted)
+                    d = rng.randrange(counts[j])
+                    pos = lens[i] + rng.randrange(counts[i])
+                    if (i, pos // w.P) != (j, (lens[j] + d) // w.P):  # another block than its own
+                        rtt = w.rtt.clone()
+                        page = int(w.rtt[rows[j], lens[j] + d]) // w.P
+                        first = max(lens[i], pos - pos % w.P)  # the block's first draft position
+                        for q in range(first, min(first - first % w.P + w.P, lens[i] + counts[i])):
+                            rtt[rows[i], q] = page * w.P + q % w.P
+            w.commit(stats, dict(ctx, bad=what), rpi, seq, nd, a2, l2, use_kv, kv_rows=kv_rows, num_free=nf, rtt=rtt,
+                     state=state)
 
         _, ref = w.commit(stats, ctx, rpi, seq, nd, acc, acc_len, use_kv)
         if ref["status"][0].item() != OK:
             stats.problem(f"valid commit refused by the reference {ctx}")
             stats.n["mismatch"] += 1
             break
-        w.rtt, w.free, w.num_free = ref["req_to_token"], ref["free_pages"], ref["num_free"]
+        w.take(ref)
+        if rng.random() < 0.3:  # the same commit again: refused whenever the first released something
+            _, again = w.commit(stats, dict(ctx, bad="replay"), rpi, seq, nd, acc, acc_len, use_kv)
+            released = sum(n - len(p) if w.P == 1 else pages_spanned(L + len(p), L + n, w.P.bit_length() - 1)
+                           for L, n, p in zip(lens, counts, paths))
+            if released and again["status"][0].item() == OK:
+                stats.problem(f"a replayed commit that released {released} pages was accepted {ctx}")
+                stats.n["mismatch"] += 1
+                break
+            if again["status"][0].item() == OK:
+                w.take(again)  # nothing was released: an accepted no-op (KV rows may move again)
         for r, L, p in zip(rows, lens, paths):
             w.lens[r] = L + len(p)
     return stats
@@ -1059,7 +1271,7 @@ def full_paths(P):
     lens, counts = [w.lens[r] for r in rows], [64, 64, 64, 63, 1, 0]
     ok, ref = w.alloc(stats, dict(case="full paths", P=P), w.idx(rows), w.idx(lens), w.idx(counts), sum(counts))
     assert ref["status"][0].item() == OK
-    w.rtt, w.free, w.num_free = ref["req_to_token"], ref["free_pages"], ref["num_free"]
+    w.take(ref)
     w.write_kv(ref["out_cache_loc"])
     paths = [list(range(64)), list(range(1, 64)), [0] + list(range(2, 64)), [62], [0], []]
     acc = w.idx([p + [-1] * (64 - len(p)) for p in paths]).reshape(6, 64)
@@ -1081,14 +1293,17 @@ def big_batch(P):
     lens, counts = [w.lens[r] for r in rows], [rng.randint(0, 8) for _ in rows]
     _, ref = w.alloc(stats, dict(case="big batch", P=P), w.idx(rows), w.idx(lens), w.idx(counts), sum(counts))
     assert ref["status"][0].item() == OK
-    w.rtt, w.free, w.num_free = ref["req_to_token"], ref["free_pages"], ref["num_free"]
+    w.take(ref)
     w.write_kv(ref["out_cache_loc"])
     paths = [random_path(rng, n) for n in counts]
     width = max(len(p) for p in paths)
     acc = w.idx([p + [-1] * (width - len(p)) for p in paths]).reshape(B, width)
     _, ref = w.commit(stats, dict(case="big batch", P=P), w.idx(rows), w.idx(lens), w.idx(counts), acc,
                       w.idx([len(p) for p in paths]), True)
-    w.rtt, w.free, w.num_free = ref["req_to_token"], ref["free_pages"], ref["num_free"]
+    w.take(ref)
+    # the same commit again: refused by the page state (found by a request in the second tile too)
+    w.commit(stats, dict(case="big batch replay", P=P), w.idx(rows), w.idx(lens), w.idx(counts), acc,
+             w.idx([len(p) for p in paths]), True)
     nd = w.idx([0] * B)
     nd[1050] = 99  # invalid num_draft in the second tile of 1024
     w.alloc(stats, dict(case="big batch refusal", P=P), w.idx(rows), w.idx([w.lens[r] for r in rows]), nd, 8)
@@ -1096,37 +1311,40 @@ def big_batch(P):
 
 
 def refusals():
-    """tests/test_kv_slots.py's KERNEL_REFUSALS (every invalid-value kind the kernels must refuse)
-    plus a successful alloc, through the emulation at 1024 threads: status equal to the reference,
-    nothing changed (state, KV), outputs -1 / the old seq_lens, no races."""
+    """tests/test_kv_slots.py's KERNEL_REFUSALS and PAGE_STATE_REFUSALS (every invalid-value kind
+    the kernels must refuse) plus a successful alloc, through the emulation at 1024 threads: status
+    equal to the reference, nothing changed (state, page_state, KV), outputs -1 / the old
+    seq_lens, no races."""
     sys.path.insert(0, str(REPO / "tests"))
     import test_kv_slots as T  # the test suite's own cases (imports pytest)
     stats = Stats()
-    for op, name, make_bad in T.KERNEL_REFUSALS:
-        args, total = T._refusal_case(op, name, make_bad)
+    cases = [(op, name, T._refusal_case(op, name, make_bad)) for op, name, make_bad in T.KERNEL_REFUSALS]
+    cases += [(op, spoil.__name__, (T._page_state_case(op, P, spoil), 16))
+              for op, P, spoil, *_ in T.PAGE_STATE_REFUSALS]
+    for op, name, (args, total) in cases:
         P, ctx = args["page_size"], dict(refusal=f"{op}:{name}")
         common = [args[k] for k in ("req_to_token", "req_pool_indices", "seq_lens", "num_draft")]
+        pool = [args["free_pages"], args["num_free"], args["page_state"]]
         if op == "alloc":
-            e = emulate_alloc(*common, args["free_pages"], args["num_free"], P, 8, total)
-            check_alloc(stats, ctx, *common, args["free_pages"], args["num_free"], P, 8, total, 1024)
+            e = emulate_alloc(*common, *pool, P, 8, total)
+            check_alloc(stats, ctx, *common, *pool, P, 8, total, 1024)
             outputs_ok = e["out_cache_loc"].tolist() == [-1] * total
             kv_same = True
         else:
             kv = args["kv_buffers"]
-            e = emulate_commit(*common, args["accept_index"], args["accept_len"], args["free_pages"], args["num_free"],
-                               P, 8, kv)
-            check_commit(stats, ctx, *common, args["accept_index"], args["accept_len"], args["free_pages"],
-                         args["num_free"], P, 8, [t.clone() for t in kv], 1024)
+            e = emulate_commit(*common, args["accept_index"], args["accept_len"], *pool, P, 8, kv)
+            check_commit(stats, ctx, *common, args["accept_index"], args["accept_len"], *pool, P, 8,
+                         [t.clone() for t in kv], 1024)
             outputs_ok = torch.equal(e["new_seq_lens"], args["seq_lens"])
             kv_same = all(torch.equal(a, b) for a, b in zip(kv, e["kv_buffers"]))
-        unchanged = all(torch.equal(e[k], args[k]) for k in ("req_to_token", "free_pages", "num_free"))
+        unchanged = all(torch.equal(e[k], args[k]) for k in ("req_to_token", "free_pages", "num_free", "page_state"))
         if e["status"][0].item() == OK or not (unchanged and outputs_ok and kv_same):
             stats.n["mismatch"] += 1
             stats.problem(f"refusal {op}:{name}: status {e['status'].tolist()} unchanged={unchanged} "
                           f"outputs={outputs_ok} kv_unchanged={kv_same}")
     args = T.make_args(after_alloc=False)
     check_alloc(stats, dict(case="successful alloc"), *[args[k] for k in ("req_to_token", "req_pool_indices",
-                "seq_lens", "num_draft", "free_pages", "num_free")], args["page_size"], 8, 10, 1024)
+                "seq_lens", "num_draft", "free_pages", "num_free", "page_state")], args["page_size"], 8, 10, 1024)
     return stats
 
 
@@ -1135,7 +1353,8 @@ def _result(stats):
     ok = n["mismatch"] == 0 and n["races"] == 0
     launches = n["alloc"] + n["commit"]
     note = (f"{n['alloc']} allocs ({n['alloc_refused']} refused), {n['commit']} commits ({n['commit_refused']} refused, "
-            f"{n['commit_moves']} moving KV), {n['mismatch']} mismatches, {n['races']} races")
+            f"{n['commit_moves']} moving KV; {n['page_conflicts']} page conflicts), {n['mismatch']} mismatches, "
+            f"{n['races']} races")
     if stats.notes:
         note += "\n      " + "\n      ".join(stats.notes)
     return dict(ok=ok, launches=launches, note=note, counts=dict(n))
@@ -1161,7 +1380,8 @@ def cases(quick):
     if not quick:
         for P in (1, 16):
             out.append((f"big batch at 1024 threads, P={P}", lambda P=P: _result(big_batch(P))))
-    out.append(("tests/test_kv_slots.py KERNEL_REFUSALS + a successful alloc", lambda: _result(refusals())))
+    out.append(("tests/test_kv_slots.py KERNEL_REFUSALS + PAGE_STATE_REFUSALS + a successful alloc",
+                lambda: _result(refusals())))
     return out
 
 

@@ -39,8 +39,16 @@ enum KvSlotStatus : int {
   kKvSlotsBadRequest = 2,
   kKvSlotsBadStack = 3,
   kKvSlotsOutTooSmall = 4,
+  kKvSlotsPageConflict = 5,  // the free stack, page_state and req_to_token disagree
 };
 constexpr int kKvSlotsStatusLen = 5;
+
+// page_state values. kPageMark is seen only inside a launch: the bookkeeping claims the call's
+// pages with atomic exchanges to it (a page claimed twice reads kPageMark back) and gives every
+// claimed page its final state, or the one it had on a refusal, before the launch ends.
+constexpr int32_t kPageFree = 0;
+constexpr int32_t kPageHeld = 1;
+constexpr int32_t kPageMark = 2;
 
 // The batch and the allocator state, shared by alloc and commit.
 struct KvSlotBatch {
@@ -54,14 +62,15 @@ struct KvSlotBatch {
   int64_t* free_pages;  // [num_pages]: stack of free page ids; its length is the pool's page count
   int64_t num_pages;
   int64_t* num_free;  // [1]
+  int32_t* page_state;  // [num_pages]: kPageFree (on the stack) or kPageHeld
   int log2_page_size;
   int max_draft;    // 1..kMaxDraftTokens
   int64_t* status;  // [kKvSlotsStatusLen]
 };
 
 // Positions seq_len .. seq_len + num_draft - 1 of every request get slots (its partial last page
-// first, then pages popped from the stack); out_cache_loc [out_capacity] gets them in batch
-// order, -1 beyond. One launch; validates everything before writing anything.
+// first, then pages popped from the stack, which become held); out_cache_loc [out_capacity] gets
+// them in batch order, -1 beyond. One launch; validates everything before writing anything.
 cudaError_t launch_alloc_draft_slots(const KvSlotBatch& batch, int64_t* out_cache_loc, int64_t out_capacity,
                                      cudaStream_t stream);
 
@@ -92,7 +101,7 @@ constexpr int kKvMoveTagBits = 63 - kKvMoveTagShift;
 constexpr int64_t kKvMoveMaxBlocks = (int64_t{1} << (kKvMoveTagShift - 1)) - 1;
 
 // Keeps each request's accepted path (page_size 1: remaps req_to_token; > 1: moves KV rows)
-// and pushes every other draft slot / wholly freed page. One launch.
+// and pushes every other draft slot / wholly freed page (which become free). One launch.
 cudaError_t launch_commit_draft_slots(const KvSlotBatch& batch, const KvCommitArgs& args, cudaStream_t stream);
 
 }  // namespace spec_kernels
