@@ -325,8 +325,10 @@ def _draft_slot_twice(a):  # page size 1: drafts 0 and 2 of request 2 on one slo
 PAGE_STATE_REFUSALS = [
     ("alloc", 4, _last_page_free, ValueError, r"the last slot of request 0\) is on page \d+, which is not held",
      reference.STATUS_BAD_REQUEST),
-    ("alloc", 4, _top_page_held, ValueError, r"a page this call would pop, is not free", reference.STATUS_PAGE_CONFLICT),
-    ("alloc", 1, _top_page_held, ValueError, r"a page this call would pop, is not free", reference.STATUS_PAGE_CONFLICT),
+    ("alloc", 4, _top_page_held, ValueError, r"a page this call would pop, is not free",
+     reference.STATUS_PAGE_CONFLICT),
+    ("alloc", 1, _top_page_held, ValueError, r"a page this call would pop, is not free",
+     reference.STATUS_PAGE_CONFLICT),
     ("alloc", 4, _top_page_twice, ValueError, r"page \d+ is twice in the part of the free stack this call pops",
      reference.STATUS_PAGE_CONFLICT),
     ("alloc", 4, _top_page_outside, ValueError, r"a page this call would pop, is not a page of the pool",

@@ -350,7 +350,8 @@ class Sim:
         state = st_.page_state.cpu()
         want = torch.full((C,), reference.PAGE_HELD, dtype=torch.int32)
         want[torch.tensor(free, dtype=torch.int64)] = reference.PAGE_FREE
-        assert torch.equal(state, want), f"page_state disagrees with the stack at pages {(state != want).nonzero().flatten().tolist()}"
+        wrong = (state != want).nonzero().flatten().tolist()
+        assert not wrong, f"page_state disagrees with the stack at pages {wrong}"
 
 
 # --------------------------------------------------------------------------- the tests
@@ -448,7 +449,8 @@ def commit_never_allocated(sim: Sim) -> bool:
     pages = sim.states[0].free_pages[top - fresh_pages:top].tolist()
     slots = []
     for pos in range(L, L + n):
-        page = pages[(pos - first_fresh) // P] if pos >= first_fresh else int(sim.states[0].req_to_token[row, L - 1]) // P
+        own = int(sim.states[0].req_to_token[row, L - 1]) // P if L % P else -1  # its partially filled page
+        page = pages[(pos - first_fresh) // P] if pos >= first_fresh else own
         slots.append(page * P + pos % P)
     for st_ in sim.states:
         st_.req_to_token[row, L:L + n] = torch.tensor(slots, dtype=st_.req_to_token.dtype)

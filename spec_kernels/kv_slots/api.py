@@ -398,9 +398,10 @@ def commit_draft_slots(
     is held, and no page may carry the drafts of two positions of the call in two page-blocks
     (page_size 1: no two draft slots may be equal). So the same commit twice, a commit of slots
     that were never allocated or of a request already released, or a req_to_token that gives two
-    requests one page is refused as a whole, before any slot is freed twice. (A repeat that
-    releases no page, e.g. page_size 16 with every draft on kept pages, cannot be told from a
-    first call: it only moves the same KV rows again.)
+    requests one page is refused as a whole, before any slot is freed twice. (page_state holds
+    no owner: a repeat that releases no page, e.g. page_size 16 with every draft on kept pages,
+    only moves the same KV rows again, and a stale commit whose pages were allocated again in
+    between passes the checks; the reference's module docstring has the exact rules.)
 
     Args:
         req_to_token, req_pool_indices, seq_lens, num_draft, free_pages, num_free, page_state,

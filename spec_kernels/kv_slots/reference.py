@@ -26,11 +26,14 @@ keep the state in step with the stack:
   be pairwise distinct across the call (STATUS_PAGE_CONFLICT): so a commit never frees a page
   that is not held, never frees one page twice, and never frees a page it also keeps.
 
-A commit that releases nothing cannot tell a repeat from a first call (e.g. page_size 16 and
-every draft on the request's kept pages); it then only moves KV rows again. Callers that move
-pages themselves keep the state too: pages pushed back onto the stack (a finished request's)
-become PAGE_FREE, pages taken by another allocator (a prompt's) PAGE_HELD.
-``api.page_state_from_free_stack`` builds the state of a pool from its free stack.
+What one held/free bit per page cannot see: a commit that releases nothing cannot be told from
+a first call (e.g. page_size 16 and every draft on the request's kept pages: a repeat only moves
+KV rows again), and a stale commit whose draft pages were handed out again in between (held
+again, by another request) looks valid; replaying a commit right after it, or after its request
+was released, is refused. Callers that move pages themselves keep the state too: pages pushed
+back onto the stack (a finished request's) become PAGE_FREE, pages taken by another allocator (a
+prompt's) PAGE_HELD. ``api.page_state_from_free_stack`` builds the state of a pool from its free
+stack.
 
 Everything here reads the tensors' values on the host (it syncs with a GPU); it is written to
 be obviously right, not fast.
@@ -168,12 +171,14 @@ def alloc_verdict(req_to_token, req_pool_indices, seq_lens, num_draft, free_page
         for j in range(top - 1, top - 1 - pages, -1):  # pop order
             page = stack[j]
             if not 0 <= page < capacity:
-                return f"free_pages[{j}] = {page}, a page this call would pop, is not a page of the pool (0..{capacity - 1})"
+                return (f"free_pages[{j}] = {page}, a page this call would pop, is not a page of the pool "
+                        f"(0..{capacity - 1})")
             if state[page] != PAGE_FREE:
                 return (f"free_pages[{j}] = {page}, a page this call would pop, is not free (page_state[{page}] = "
                         f"{state[page]}, {_state_name(state[page])}): the free stack and page_state disagree")
             if page in popped:
-                return f"page {page} is twice in the part of the free stack this call pops (free_pages[{popped[page]}] and [{j}])"
+                return (f"page {page} is twice in the part of the free stack this call pops "
+                        f"(free_pages[{popped[page]}] and [{j}])")
             popped[page] = j
         owner = {}
         for b, page in continued:
