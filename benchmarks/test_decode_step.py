@@ -484,11 +484,14 @@ class KvSlots:
         B, n, L = case.B, case.n, case.L
         gen = torch.Generator().manual_seed(seed)
         pages = B * n * (steps + 1)
+        free_pages = torch.randperm(pages, generator=gen).to(DEVICE)
+        num_free = torch.tensor([pages], device=DEVICE)
         self.args = dict(req_to_token=torch.zeros(B, L + n, dtype=torch.int32, device=DEVICE),
                          req_pool_indices=torch.arange(B, device=DEVICE),
                          seq_lens=torch.full((B,), L, device=DEVICE), num_draft=torch.full((B,), n, device=DEVICE),
-                         free_pages=torch.randperm(pages, generator=gen).to(DEVICE),
-                         num_free=torch.tensor([pages], device=DEVICE), page_size=KV_PAGE_SIZE)
+                         free_pages=free_pages, num_free=num_free,
+                         page_state=spec_kernels.kv_slots.page_state_from_free_stack(free_pages, num_free),
+                         page_size=KV_PAGE_SIZE)
         self.B, self.n = B, n
         self.accept = random_paths(random_parents(B, n, gen), gen) if n > 1 else None
 

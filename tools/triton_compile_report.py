@@ -227,8 +227,8 @@ def _kv_alloc_case(B, page_size, max_draft, rtt=torch.int32, idx=torch.int64):
 
     def run(autotune, sms):
         args = (_meta((rows, max_ctx), rtt), _meta((B,), idx), _meta((B,), idx), _meta((B,), idx),
-                _meta((pages,), torch.int64), _meta((1,), torch.int64), page_size, max_draft,
-                _meta((B * max_draft,), torch.int64), _meta((5,), torch.int64))
+                _meta((pages,), torch.int64), _meta((1,), torch.int64), _meta((pages,), torch.int32), page_size,
+                max_draft, _meta((B * max_draft,), torch.int64), _meta((5,), torch.int64))
         return _record(kv, ["_alloc_kernel"], None, autotune, sms, lambda: kv.alloc_draft_slots(*args))
     return f"B{B} page={page_size} max_draft={max_draft} rtt={str(rtt)[6:]}", run
 
@@ -254,7 +254,8 @@ def _kv_commit_case(B, page_size, max_draft, moves=False, unit_bytes=16, num_buf
             sync, tag = _meta((kv.MOVE_SYNC_WORDS,), torch.int64), (1 << 32) + 7
         args = (_meta((rows, max_ctx), rtt), _meta((B,), idx), _meta((B,), idx), _meta((B,), idx),
                 _meta((B, width), idx), _meta((B,), idx), _meta((pages,), torch.int64), _meta((1,), torch.int64),
-                page_size, max_draft, table, _meta((B,), idx), _meta((5,), torch.int64), shares, sync, tag)
+                _meta((pages,), torch.int32), page_size, max_draft, table, _meta((B,), idx), _meta((5,), torch.int64),
+                shares, sync, tag)
         return _record(kv, ["_commit_kernel"], None, autotune, sms, lambda: kv.commit_draft_slots(*args))
     what = f"moves unit={unit_bytes}B x{num_buffers} buffers" if moves else "no KV moves"
     return f"B{B} page={page_size} max_draft={max_draft} accept_width={width} {what}", run
