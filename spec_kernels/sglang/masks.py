@@ -37,11 +37,14 @@ def _weights(n: int, device: torch.device) -> torch.Tensor:
 
 
 def words_from_rows(rows: torch.Tensor) -> torch.Tensor:
-    """[T, n] bool (or 0/1 integers) -> int64 [T], bit j of row t = rows[t, j]."""
+    """[T, n] bool (or 0/1 integers) -> int64 [T], bit j of row t = rows[t, j] for j <= t % n.
+    Row t is draft t % n of its request; bits of later drafts are dropped (the ops refuse them,
+    and SGLang's all-ones placeholder masks for graph capture and warm-up set them)."""
     n = rows.shape[-1]
     if n > MAX_DRAFT_TOKENS:
         raise ValueError(f"at most {MAX_DRAFT_TOKENS} draft tokens per request, got {n}")
-    return ((rows != 0).to(torch.int64) * _weights(n, rows.device)).sum(-1)
+    words = ((rows != 0).to(torch.int64) * _weights(n, rows.device)).sum(-1)
+    return words & chain_words(rows.shape[0], n, rows.device)
 
 
 def chain_words(num_tokens: int, n: int, device: torch.device) -> torch.Tensor:
