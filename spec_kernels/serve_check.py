@@ -155,6 +155,28 @@ class Server:
     def alive(self) -> bool:
         return self.proc is not None and self.proc.poll() is None
 
+    def cpu_s(self) -> Optional[float]:
+        """CPU seconds (user + system) the server's processes used so far; None without psutil."""
+        if not self.alive():
+            return None
+        try:
+            import psutil
+        except ImportError:
+            return None
+        try:
+            root = psutil.Process(self.proc.pid)
+            procs = [root, *root.children(recursive=True)]
+        except psutil.NoSuchProcess:
+            return None
+        total = 0.0
+        for proc in procs:
+            try:
+                t = proc.cpu_times()
+                total += t.user + t.system + t.children_user + t.children_system
+            except psutil.NoSuchProcess:
+                pass
+        return total
+
     def log_tail(self, lines: int = 60) -> str:
         try:
             with open(self.log_path, errors="replace") as fh:
@@ -407,7 +429,8 @@ def measure(name: str, cmd_args: list[str], args, prompts: list[str], log_path: 
             levels.append(lv)
             tau = f", tau {lv.tau:.2f}" if lv.tau else ""
             report(f"{name}: C={c}: {lv.tok_s:.1f} tok/s, median latency {statistics.median(lv.latencies_s):.2f} s{tau}")
-        return {"command": srv.command, "startup_s": srv.startup_s, "check": check, "levels": levels}
+        return {"command": srv.command, "startup_s": srv.startup_s, "cpu_s": srv.cpu_s(), "check": check,
+                "levels": levels}
 
 
 def main(argv=None) -> int:
@@ -454,7 +477,8 @@ def main(argv=None) -> int:
                          "baseline_batch1_output_ids": base_check["batch1_output_ids"],
                          "eagle_batch1_output_ids": eagle_check["batch1_output_ids"],
                          "eagle_tau": eagle_check["tau"]},
-        "servers": {k: {"command": v["command"], "startup_s": v["startup_s"]} for k, v in runs.items()},
+        "servers": {k: {"command": v["command"], "startup_s": v["startup_s"], "cpu_s": v["cpu_s"]}
+                    for k, v in runs.items()},
         "levels": {k: [lv.as_dict() for lv in v] for k, v in levels.items()},
         "settings": {"concurrency": args.concurrency, "rounds": args.rounds, "output_len": args.output_len},
     }

@@ -13,6 +13,10 @@ mask to "every earlier draft visible" (siblings included) through a test-only pl
 (verify_sabotage/): its outputs must then differ from transformers', or these checks could not
 see a wrong mask.
 
+The MLA path (``mla_tree_verify_attention`` on SGLang's MLATokenToKVPool) gets the same batch-3
+check on a DeepSeek-V2 style target (``mla-tree``: latent 128 + rope 32, EAGLE-3 topk 2, 3 steps,
+6 draft tokens, page size 1).
+
 Plain decoding on specfused and EAGLE-3 chains (topk 1) on page size 16 are checked the same
 way (batch 1 and 3, against transformers) by test_serve_check.py, whose two servers are exactly
 those configurations: each server start costs about a minute of CPU, so no configuration is
@@ -24,7 +28,7 @@ import os
 
 import pytest
 
-from conftest import (
+from e2e_support import (
     MAX_NEW_TOKENS,
     REQUEST_TIMEOUT_S,
     ServerPool,
@@ -47,7 +51,7 @@ def eagle_args(draft: str, topk: int, steps: int, draft_tokens: int, page_size: 
 
 
 @pytest.fixture(scope="module")
-def servers(models, tmp_path_factory):
+def servers(models, mla_models, tmp_path_factory):
     work = str(tmp_path_factory.mktemp("e2e_servers"))
     plugin_dir = os.path.join(work, "plugin_path")
     write_sabotage_dist_info(plugin_dir)
@@ -57,6 +61,8 @@ def servers(models, tmp_path_factory):
         "tree": (base + eagle_args(models["draft"], topk=4, steps=3, draft_tokens=8, page_size=1),
                  server_env([os.path.join(HERE, "verify_sabotage"), plugin_dir],
                             SPEC_KERNELS_E2E_SABOTAGE_FLAG=flag)),
+        "mla-tree": (base_server_args(mla_models["target"])
+                     + eagle_args(mla_models["draft"], topk=2, steps=3, draft_tokens=6, page_size=1), server_env()),
     }
     pool = ServerPool(configs, work)
     pool.sabotage_flag = flag
@@ -113,3 +119,12 @@ def test_negative_control_wrong_tree_mask_breaks_equality(servers, models, name=
     assert len(differing) == len(got), (
         f"with a wrong tree mask only prompts {differing} changed: the equality checks cannot see "
         "a wrong verify mask on the others")
+
+
+def test_mla_greedy_batch3_matches_transformers(servers, mla_models, name="mla-tree"):
+    server = servers.get(name)
+    outs = greedy(server, mla_models["prompt_ids"])
+    got = [o["output_ids"] for o in outs]
+    for i, (g, want) in enumerate(zip(got, mla_models["hf_greedy"])):
+        assert g == want, f"{name}: batch 3, prompt {i} differs from transformers:\n{g}\n{want}"
+    assert_accepts(outs, name)

@@ -48,6 +48,8 @@ VOCAB = 384
 CONTEXT = 512
 AUX_LAYER_IDS = [-1, 0]
 LAYER_SCALE = 0.3
+MLA_LATENT = 128  # DeepSeek-V2 style target: kv_lora_rank (the latent, also the value) ...
+MLA_ROPE = 32  # ... and qk_rope_head_dim
 # Query/key size of the draft's self-attention: the score gap between a position and its
 # nearest neighbour is QK_SCALE^2 x 1.083 / 4 (rotary frequencies of head dim 64, theta 1e4).
 QK_SCALE = 12.0
@@ -85,6 +87,26 @@ def _train_tokenizer(path: str):
     return fast
 
 
+def _fill_target(model, vocab: int) -> None:
+    """Embedding rows of RMS 1 with a constant first coordinate, a random lm_head, random layers
+    whose output projections are scaled by LAYER_SCALE (see the module docstring)."""
+    import torch
+
+    g = torch.Generator().manual_seed(SEED)
+    with torch.no_grad():
+        emb = torch.randn(vocab, HIDDEN, generator=g)
+        emb[:, 1:] *= (HIDDEN - 1) ** 0.5 / emb[:, 1:].norm(dim=1, keepdim=True)
+        emb[:, 0] = 1.0  # RMS of every row: exactly 1
+        model.model.embed_tokens.weight.copy_(emb)
+        model.lm_head.weight.copy_(torch.randn(vocab, HIDDEN, generator=g))
+        for layer in model.model.layers:
+            for name, lin in layer.named_modules():  # definition order: q, k, v, o, gate, up, down
+                if not isinstance(lin, torch.nn.Linear):
+                    continue
+                scale = LAYER_SCALE if name.endswith(("o_proj", "down_proj")) else 1.0
+                lin.weight.copy_(torch.randn(lin.weight.shape, generator=g) * scale / lin.weight.shape[1] ** 0.5)
+
+
 def _target(path: str, vocab: int, bos: int, eos: int):
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
@@ -95,24 +117,45 @@ def _target(path: str, vocab: int, bos: int, eos: int):
                       bos_token_id=bos, eos_token_id=eos, dtype="float32")
     torch.manual_seed(SEED)
     model = LlamaForCausalLM(cfg).to(torch.float32).eval()
-    g = torch.Generator().manual_seed(SEED)
-    with torch.no_grad():
-        emb = torch.randn(vocab, HIDDEN, generator=g)
-        emb[:, 1:] *= (HIDDEN - 1) ** 0.5 / emb[:, 1:].norm(dim=1, keepdim=True)
-        emb[:, 0] = 1.0  # RMS of every row: exactly 1
-        model.model.embed_tokens.weight.copy_(emb)
-        model.lm_head.weight.copy_(torch.randn(vocab, HIDDEN, generator=g))
-        for layer in model.model.layers:
-            a, m = layer.self_attn, layer.mlp
-            for lin, scale in ((a.q_proj, 1.0), (a.k_proj, 1.0), (a.v_proj, 1.0), (a.o_proj, LAYER_SCALE),
-                               (m.gate_proj, 1.0), (m.up_proj, 1.0), (m.down_proj, LAYER_SCALE)):
-                fan_in = lin.weight.shape[1]
-                lin.weight.copy_(torch.randn(lin.weight.shape, generator=g) * scale / fan_in ** 0.5)
+    _fill_target(model, vocab)
     model.save_pretrained(path)
     return model
 
 
-def _draft(path: str, vocab: int, bos: int, eos: int) -> None:
+def _mla_target(path: str, vocab: int, bos: int, eos: int):
+    """A DeepSeek-V2 style MLA target: latent (kv_lora_rank) 128 + rope 32, 4 heads, 2 dense layers.
+    Rotary scaling is YaRN with factor 1 (= plain RoPE), the only kind SGLang's CPU engine builds
+    for DeepSeek attention."""
+    import json
+
+    import torch
+    from transformers import DeepseekV2Config, DeepseekV2ForCausalLM
+
+    rope = {"rope_type": "yarn", "type": "yarn", "factor": 1.0, "original_max_position_embeddings": CONTEXT,
+            "beta_fast": 32, "beta_slow": 1, "mscale": 1.0, "mscale_all_dim": 1.0, "rope_theta": 10000.0}
+    cfg = DeepseekV2Config(vocab_size=vocab, hidden_size=HIDDEN, intermediate_size=INTERMEDIATE,
+                           moe_intermediate_size=64, num_hidden_layers=TARGET_LAYERS, num_attention_heads=HEADS,
+                           num_key_value_heads=HEADS, kv_lora_rank=MLA_LATENT, q_lora_rank=None,
+                           qk_rope_head_dim=MLA_ROPE, qk_nope_head_dim=32, v_head_dim=32,
+                           first_k_dense_replace=TARGET_LAYERS, n_routed_experts=4, num_experts_per_tok=2,
+                           n_shared_experts=1, max_position_embeddings=CONTEXT, tie_word_embeddings=False,
+                           bos_token_id=bos, eos_token_id=eos, rope_parameters=rope)
+    torch.manual_seed(SEED)
+    model = DeepseekV2ForCausalLM(cfg).to(torch.float32).eval()
+    _fill_target(model, vocab)
+    model.save_pretrained(path)
+    # SGLang reads two fields transformers does not write: the MoE layer frequency (no MoE layer
+    # here: first_k_dense_replace covers all layers) and rope_scaling.
+    cfg_path = os.path.join(path, "config.json")
+    with open(cfg_path) as fh:
+        data = json.load(fh)
+    data.update(moe_layer_freq=1, rope_scaling=rope)
+    with open(cfg_path, "w") as fh:
+        json.dump(data, fh, indent=2)
+    return model
+
+
+def _draft(path: str, vocab: int, bos: int, eos: int, aux_layer_ids=AUX_LAYER_IDS) -> None:
     import torch
     from safetensors.torch import save_file
 
@@ -126,7 +169,7 @@ def _draft(path: str, vocab: int, bos: int, eos: int) -> None:
         "max_position_embeddings": CONTEXT, "vocab_size": vocab, "draft_vocab_size": None,
         "tie_word_embeddings": False, "bos_token_id": bos, "eos_token_id": eos, "torch_dtype": "float32",
         "target_hidden_size": HIDDEN,
-        "eagle_config": {"eagle_aux_hidden_state_layer_ids": AUX_LAYER_IDS},
+        "eagle_config": {"eagle_aux_hidden_state_layer_ids": list(aux_layer_ids)},
     }
     with open(os.path.join(path, "config.json"), "w") as fh:
         json.dump(config, fh, indent=2)
@@ -145,7 +188,7 @@ def _draft(path: str, vocab: int, bos: int, eos: int) -> None:
         o[h * HEAD_DIM:(h + 1) * HEAD_DIM, qh * HEAD_DIM:(qh + 1) * HEAD_DIM] = torch.eye(HEAD_DIM)
     p = "midlayer."
     tensors = {
-        "fc.weight": torch.zeros(HIDDEN, HIDDEN * len(AUX_LAYER_IDS)),
+        "fc.weight": torch.zeros(HIDDEN, HIDDEN * len(aux_layer_ids)),
         p + "self_attn.q_proj.weight": q,
         p + "self_attn.k_proj.weight": k,
         p + "self_attn.v_proj.weight": v,
@@ -162,14 +205,20 @@ def _draft(path: str, vocab: int, bos: int, eos: int) -> None:
               metadata={"format": "pt"})
 
 
-def make_models(root: str) -> dict:
-    """Write tokenizer, target and draft under `root`; returns their paths and the prompts' ids."""
+def make_models(root: str, mla: bool = False) -> dict:
+    """Write tokenizer, target and draft under `root`; returns their paths and the prompts' ids.
+    `mla`: the target is the DeepSeek-V2 style MLA model (its draft captures only layer 0's
+    output: SGLang's DeepSeek model captures no hidden state before its first layer)."""
     target, draft = os.path.join(root, "target"), os.path.join(root, "draft")
     tok = _train_tokenizer(target)
     tok.save_pretrained(draft)
     vocab = len(tok)
-    _target(target, vocab, tok.bos_token_id, tok.eos_token_id)
-    _draft(draft, vocab, tok.bos_token_id, tok.eos_token_id)
+    if mla:
+        _mla_target(target, vocab, tok.bos_token_id, tok.eos_token_id)
+        _draft(draft, vocab, tok.bos_token_id, tok.eos_token_id, aux_layer_ids=[0])
+    else:
+        _target(target, vocab, tok.bos_token_id, tok.eos_token_id)
+        _draft(draft, vocab, tok.bos_token_id, tok.eos_token_id)
     prompts = [[tok.bos_token_id] + tok.encode(p, add_special_tokens=False) for p in PROMPTS]
     return {"target": target, "draft": draft, "prompt_ids": prompts}
 
