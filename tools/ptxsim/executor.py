@@ -1,0 +1,607 @@
+"""Execute parsed PTX entries on NumPy, vectorised over the threads that run in lock-step.
+
+Execution model
+- Registers live in one array per register over all threads of a launch. A *group* is a set of
+  whole warps that run together; its SIMT stack (frames of pc, reconvergence pc and lane mask)
+  handles divergence inside a warp, with reconvergence at the branch block's immediate
+  post-dominator. A branch whose direction is uniform inside every warp but differs between warps
+  splits the group instead, so warps (and CTAs) progress independently: one CTA may spin on a
+  flag that another CTA sets later, as the kv_slots commit hand-off and the allreduce do.
+- The scheduler interleaves every group of every launch on the Machine (several launches = several
+  simulated GPUs sharing memory). It runs the group with the lowest pc first (so split groups meet
+  again and merge) and demotes groups that spin (nanosleep, long runs of back edges) so others
+  progress. Nothing runnable with threads still waiting is a deadlock; a run that stores nothing
+  for `spin_limit` warp-instructions is reported as a livelock. Both reports list every waiting
+  group's source line.
+- Warp collectives (`.sync.aligned` mma / ldmatrix / stmatrix, shfl.sync / redux.sync with a full
+  mask, bar.sync, bar.warp.sync) require every live lane of each warp to be there; a diverged
+  collective is an error, not a guess.
+- Memory is sequentially consistent (every load and store is performed when its instruction runs);
+  fences are counted, not modelled. cp.async is asynchronous: the data lands at the wait_group that
+  retires its group and the destination bytes are pending (touching them is a Hazard) until then.
+"""
+from __future__ import annotations
+
+import collections
+import dataclasses
+import math
+import struct
+from typing import Optional
+
+import numpy as np
+
+from .memory import (GENERIC_SHARED_BASE, PARAM_BASE, SHARED_BASE, GlobalMemory, Hazard,
+                     SharedMemory, SimError)
+from .parser import Entry, Instr, Operand
+
+__all__ = ["Machine", "Launch", "SimError", "Hazard", "Deadlock", "Stats"]
+
+
+class Deadlock(SimError):
+    pass
+
+
+_NP = {"u8": np.uint8, "s8": np.int8, "b8": np.uint8, "u16": np.uint16, "s16": np.int16, "b16": np.uint16,
+       "f16": np.float16, "bf16": np.uint16, "u32": np.uint32, "s32": np.int32, "b32": np.uint32, "f32": np.float32,
+       "u64": np.uint64, "s64": np.int64, "b64": np.uint64, "f64": np.float64, "pred": np.bool_,
+       "f16x2": np.uint32, "bf16x2": np.uint32, "f32x2": np.uint64}
+_UNS = {1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64}
+_SIGNED = {1: np.int8, 2: np.int16, 4: np.int32, 8: np.int64}
+_TYPES = set(_NP)
+EXIT = -1
+
+
+def _size(t):
+    return np.dtype(_NP[t]).itemsize
+
+
+# ----------------------------------------------------------------------------------------- floats
+def bf16_to_f32(bits):
+    return (bits.astype(np.uint32) << np.uint32(16)).view(np.float32)
+
+
+def f32_to_bf16(x):
+    """Round to nearest even; NaN stays a quiet NaN."""
+    u = np.asarray(x, np.float32).view(np.uint32).astype(np.uint64)
+    r = ((u + 0x7FFF + ((u >> 16) & 1)) >> 16).astype(np.uint16)
+    nan = np.isnan(np.asarray(x, np.float32))
+    return np.where(nan, ((u >> 16) | 0x40).astype(np.uint16), r)
+
+
+def f32_to_f16(x):
+    return np.asarray(x, np.float32).astype(np.float16).view(np.uint16)
+
+
+def f16_to_f32(bits):
+    return bits.astype(np.uint16).view(np.float16).astype(np.float32)
+
+
+_E4M3 = None
+
+
+def f32_to_e4m3_satfinite(x):
+    """float32 -> fp8 e4m3 bits, round to nearest even, clamped to +-448, NaN -> 0x7f."""
+    global _E4M3
+    if _E4M3 is None:
+        vals = []
+        for b in range(256):
+            s, e, m = b >> 7, (b >> 3) & 15, b & 7
+            if e == 15 and m == 7:
+                vals.append(np.nan)
+                continue
+            v = (m / 8) * 2.0 ** -6 if e == 0 else (1 + m / 8) * 2.0 ** (e - 7)
+            vals.append(-v if s else v)
+        _E4M3 = np.array(vals)
+    x = np.asarray(x, np.float64)
+    pos = np.arange(128)
+    grid = _E4M3[:127]                   # 0 .. 448, increasing
+    ax = np.minimum(np.abs(x), 448.0)
+    i = np.clip(np.searchsorted(grid, ax), 1, 126)
+    lo, hi = grid[i - 1], grid[i]
+    pick_hi = (ax - lo > hi - ax) | ((ax - lo == hi - ax) & (pos[i] % 2 == 0))
+    code = np.where(ax <= 0, 0, np.where(pick_hi, i, i - 1))
+    code = np.where(ax >= 448.0, 126, code)
+    out = (code | (np.signbit(x) << 7)).astype(np.uint8)
+    return np.where(np.isnan(x), np.uint8(0x7F), out)
+
+
+def ftz(x):
+    x = np.asarray(x, np.float32)
+    sub = (x != 0) & (np.abs(x) < np.float32(1.1754944e-38))
+    return np.where(sub, np.copysign(np.float32(0), x), x).astype(np.float32) if np.any(sub) else x
+
+
+def _f32(x):
+    return np.asarray(x, np.float64).astype(np.float32)
+
+
+# ----------------------------------------------------------------------------------------- stats
+class Stats:
+    """Counters of one launch (the performance evidence available without a GPU)."""
+
+    CLASSES = ("mma", "ldmatrix", "stmatrix", "cp.async", "ld.global", "st.global", "ld.shared", "st.shared",
+               "atom", "barrier", "sfu", "shfl", "branch", "other")
+
+    def __init__(self):
+        self.warp_instr = collections.Counter()
+        self.thread_instr = 0
+        self.global_read = 0
+        self.global_written = 0
+        self.bank_conflicts = collections.Counter()
+        self.shared_wavefronts = collections.Counter()
+        self.fences = 0
+        self.load_chain = 0          # longest chain of dependent global loads seen by one thread
+        self.groups_max = 0
+
+    def as_dict(self):
+        return {"warp_instructions": dict(self.warp_instr), "thread_instructions": self.thread_instr,
+                "global_bytes_read": self.global_read, "global_bytes_written": self.global_written,
+                "bank_conflicts": dict(self.bank_conflicts), "fences": self.fences,
+                "longest_dependent_global_load_chain": self.load_chain}
+
+
+def _klass(op):
+    if op.startswith("mma"):
+        return "mma"
+    for p in ("ldmatrix", "stmatrix", "cp.async", "atom", "shfl", "redux"):
+        if op.startswith(p):
+            return "shfl" if p == "redux" else p
+    if op.startswith("bar") or op.startswith("membar") or op.startswith("fence"):
+        return "barrier"
+    if op.startswith("ld.") or op.startswith("st."):
+        sp = "shared" if ".shared" in op else "global"
+        return f"{op[:2]}.{sp}"
+    if op.split(".")[0] in ("ex2", "rsqrt", "rcp", "lg2", "sqrt", "sin", "cos", "div"):
+        return "sfu"
+    if op.startswith("bra"):
+        return "branch"
+    return "other"
+
+
+# ----------------------------------------------------------------------------------------- program
+class Frame:
+    __slots__ = ("pc", "rpc", "mask")
+
+    def __init__(self, pc, rpc, mask):
+        self.pc, self.rpc, self.mask = pc, rpc, mask
+
+
+class Group:
+    __slots__ = ("launch", "threads", "stack", "state", "penalty", "backedges", "bar_pc", "gid")
+    _next = 0
+
+    def __init__(self, launch, threads, stack):
+        self.launch, self.threads, self.stack = launch, threads, stack
+        self.state = "run"
+        self.penalty = 0
+        self.backedges = 0
+        self.bar_pc = None
+        Group._next += 1
+        self.gid = Group._next
+
+    def signature(self):
+        return (id(self.launch), self.state, self.bar_pc, tuple((f.pc, f.rpc) for f in self.stack))
+
+    def sel(self):
+        f = self.stack[-1]
+        if f.mask.all():
+            t = self.threads
+            if t.size and t[-1] - t[0] + 1 == t.size:
+                return slice(int(t[0]), int(t[-1]) + 1), t
+            return t, t
+        t = self.threads[f.mask]
+        return t, t
+
+
+def _cfg_ipdom(instrs, labels):
+    """Immediate post-dominator (as an instruction index, EXIT for the exit) of each branch."""
+    n = len(instrs)
+    leaders = {0} | set(labels.values())
+    for i, ins in enumerate(instrs):
+        op = ins.opcode.split(".")[0]
+        if op in ("bra", "ret", "exit", "trap", "brx"):
+            leaders.add(i + 1)
+    leaders = sorted(x for x in leaders if x < n)
+    start_of = {s: k for k, s in enumerate(leaders)}
+    ends = leaders[1:] + [n]
+    block_of = np.zeros(n, np.int64)
+    succ = []
+    for k, (s, e) in enumerate(zip(leaders, ends)):
+        block_of[s:e] = k
+        last = instrs[e - 1]
+        op = last.opcode.split(".")[0]
+        out = []
+        if op == "bra":
+            out.append(start_of[labels[last.operands[0].name]])
+            if last.guard is not None and e < n:
+                out.append(start_of[e])
+        elif op in ("ret", "exit", "trap"):
+            if last.guard is not None and e < n:
+                out.append(start_of[e])
+            else:
+                out.append(-1)
+        else:
+            out.append(start_of[e] if e < n else -1)
+        succ.append(out)
+    nb = len(leaders)
+    # post-dominator sets by iteration over reverse post-order of the reverse graph (small CFGs)
+    EXITB = nb
+    pdom = [set(range(nb + 1)) for _ in range(nb)] + [{EXITB}]
+    changed = True
+    order = list(range(nb - 1, -1, -1))
+    while changed:
+        changed = False
+        for b in order:
+            ss = [EXITB if x == -1 else x for x in succ[b]]
+            new = set.intersection(*(pdom[x] for x in ss)) | {b} if ss else {b, EXITB}
+            if new != pdom[b]:
+                pdom[b] = new
+                changed = True
+    ipdom = {}
+    for b in range(nb):
+        cands = pdom[b] - {b}
+        # the immediate one is the candidate post-dominated by all others (largest set)
+        best = max(cands, key=lambda c: len(pdom[c]) if c != EXITB else 0)
+        ipdom[b] = EXIT if best == EXITB else leaders[best]
+    return {i: ipdom[int(block_of[i])] for i in range(n)}, set(leaders)
+
+
+# ----------------------------------------------------------------------------------------- launch
+@dataclasses.dataclass
+class Launch:
+    entry: Entry
+    grid: tuple
+    block: tuple
+    params: bytes
+    dynamic_smem: int = 0
+    name: str = ""
+    gpu: int = 0
+
+
+class _Run:
+    """One launch in flight: registers, shared memory, decoded program, groups."""
+
+    def __init__(self, machine, spec: Launch, module_vars):
+        self.m = machine
+        self.spec = spec
+        e = spec.entry
+        self.entry = e
+        gx, gy, gz = (tuple(spec.grid) + (1, 1, 1))[:3]
+        bx, by, bz = (tuple(spec.block) + (1, 1, 1))[:3]
+        self.grid, self.block = (gx, gy, gz), (bx, by, bz)
+        self.n_cta = gx * gy * gz
+        self.tpc = bx * by * bz
+        if self.tpc > 1024 or self.tpc < 1:
+            raise SimError(f"block of {self.tpc} threads")
+        self.N = self.n_cta * self.tpc
+        self.wpc = (self.tpc + 31) // 32
+        t = np.arange(self.N, dtype=np.int64)
+        self.cta_of = t // self.tpc
+        self.tid_lin = t % self.tpc
+        self.lane = self.tid_lin % 32
+        self.warp_of = self.cta_of * self.wpc + self.tid_lin // 32
+        self.alive = np.ones(self.N, bool)
+        if len(spec.params) != e.param_bytes:
+            raise SimError(f"{e.name}: {len(spec.params)} parameter bytes given, the PTX .param list "
+                           f"takes {e.param_bytes}")
+        self.params = np.frombuffer(bytes(spec.params), np.uint8)
+        # shared memory layout: static variables first, then the extern (dynamic) array
+        self.sym_addr = {}
+        off = 0
+        dyn_align = 16
+        for v in list(module_vars.get("shared", [])) + list(e.shared):
+            if v.extern:
+                dyn_align = max(dyn_align, v.align)
+                continue
+            off = (off + v.align - 1) // v.align * v.align
+            self.sym_addr[v.name] = ("shared", SHARED_BASE + off)
+            off += v.size
+        off = (off + dyn_align - 1) // dyn_align * dyn_align
+        for v in list(module_vars.get("shared", [])) + list(e.shared):
+            if v.extern:
+                self.sym_addr[v.name] = ("shared", SHARED_BASE + off)
+        self.static_smem = off
+        smem = off + spec.dynamic_smem
+        if smem > machine.max_smem:
+            raise SimError(f"{e.name}: {smem} bytes of shared memory per CTA, above the {machine.max_smem} "
+                           f"the device allows")
+        self.smem = SharedMemory(self.n_cta, max(smem, 1), self.tpc, check=machine.check_races)
+        self.smem.warp_epoch = np.zeros(self.n_cta * self.wpc, np.int64)
+        for name, addr in machine.global_syms.items():
+            self.sym_addr[name] = ("global", addr)
+        for p in e.params:
+            self.sym_addr[p.name] = ("param", PARAM_BASE + p.offset)
+        self.R = {}
+        self.defined = {}
+        self.stats = Stats()
+        self.ipdom, self.leaders = _cfg_ipdom(e.instrs, e.labels)
+        self.backward = {}
+        self.cp_pending = []          # records of in-flight cp.async
+        self.cp_group = np.zeros(self.N, np.int64)
+        self.bar_vals = np.zeros(self.N, bool)
+        self.load_depth = {}          # register -> per-thread depth of dependent global loads
+        self.prog = [self.m.decode(self, ins, i) for i, ins in enumerate(e.instrs)]
+        g = Group(self, t.copy(), [Frame(0, EXIT, np.ones(self.N, bool))])
+        self.groups = [g]
+        self.done = False
+
+    # registers ---------------------------------------------------------------------------------
+    def reg(self, name):
+        a = self.R.get(name)
+        if a is None:
+            typ = self.entry.regs.get(name)
+            if typ is None:
+                raise SimError(f"unknown register {name}")
+            a = np.zeros(self.N, _NP[typ] if typ in _NP else np.uint32)
+            if typ in ("f32", "f64", "f16", "bf16"):
+                a = np.zeros(self.N, _UNS[_size(typ)])
+            self.R[name] = a
+            self.defined[name] = np.zeros(self.N, bool)
+        return a
+
+    def where(self, ins):
+        f, line = ins.loc
+        path = self.entry.files.get(f, f"file{f}") if isinstance(f, int) else f
+        return f"{path}:{line}"
+
+
+class Machine:
+    """Global memory plus the launches run on it. Options:
+    mma: "fast" (fp64 sum, ~1 ulp from hardware) or "exact" (the hardware's fused sum model);
+    check_races: shared-memory race / never-written checks; max_smem: per-CTA limit (99 KB, sm_120)."""
+
+    def __init__(self, mma: str = "fast", check_races: bool = True, max_smem: int = 99 * 1024,
+                 spin_limit: int = 2_000_000, max_instructions: int = 200_000_000, arch: str = "sm_120"):
+        self.mem = GlobalMemory()
+        self.mma_mode = mma
+        self.check_races = check_races
+        self.max_smem = max_smem
+        self.spin_limit = spin_limit
+        self.max_instructions = max_instructions
+        self.arch = arch
+        self.global_syms = {}
+        self.clock_ns = 1_000_000
+        self._module_vars = {}
+
+    # memory helpers ---------------------------------------------------------------------------
+    def alloc(self, nbytes, name="buffer", data=None):
+        return self.mem.alloc(nbytes, name, data)
+
+    def upload(self, array: np.ndarray, name="tensor") -> int:
+        a = np.ascontiguousarray(array)
+        return self.mem.alloc(a.nbytes, name, a.view(np.uint8).ravel())
+
+    def download(self, addr, dtype, shape):
+        n = int(np.prod(shape)) * np.dtype(dtype).itemsize
+        return self.mem.view(addr)[:n].copy().view(dtype).reshape(shape)
+
+    def write(self, addr, array):
+        raw = np.ascontiguousarray(array).view(np.uint8).ravel()
+        self.mem.view(addr)[:raw.size] = raw
+
+    def load_module_globals(self, module):
+        for v in module.variables:
+            if v.space in ("global", "const") and v.name not in self.global_syms:
+                self.global_syms[v.name] = self.mem.alloc(max(v.size, 1), v.name, v.init)
+        self._module_vars = {"shared": [v for v in module.variables if v.space == "shared"]}
+
+    # running ----------------------------------------------------------------------------------
+    def run(self, *launches: Launch, module=None):
+        """Run launches concurrently (e.g. one per simulated GPU) to completion; return Stats
+        per launch."""
+        if module is not None:
+            self.load_module_globals(module)
+        runs = [_Run(self, spec, self._module_vars) for spec in launches]
+        self._schedule(runs)
+        for r in runs:
+            r.stats.groups_max = max(r.stats.groups_max, 1)
+        return [r.stats for r in runs]
+
+    def _schedule(self, runs):
+        total = 0
+        last_store, last_store_at = self.mem.stores, 0
+        while True:
+            live = [g for r in runs for g in r.groups]
+            if not live:
+                return
+            for r in runs:
+                self._release_barriers(r)
+                self._merge(r)
+            runnable = [g for r in runs for g in r.groups if g.state == "run"]
+            if not runnable:
+                raise Deadlock("deadlock: every thread waits at a barrier that cannot complete\n" +
+                               self._report(runs))
+            g = min(runnable, key=lambda g: (g.penalty, g.stack[-1].pc))
+            n = self._run_group(g)
+            total += n
+            if self.mem.stores != last_store:
+                last_store, last_store_at = self.mem.stores, total
+            if total - last_store_at > self.spin_limit:
+                raise Deadlock(f"livelock: {self.spin_limit} warp-instructions without a global store\n" +
+                               self._report(runs))
+            if total > self.max_instructions:
+                raise Deadlock(f"instruction budget of {self.max_instructions} exhausted\n" + self._report(runs))
+
+    def _report(self, runs):
+        lines = []
+        for r in runs:
+            for g in r.groups:
+                pc = g.stack[-1].pc
+                ctas = np.unique(r.cta_of[g.threads])
+                where = r.where(r.entry.instrs[pc]) if 0 <= pc < len(r.entry.instrs) else "exit"
+                txt = r.entry.instrs[pc].text if 0 <= pc < len(r.entry.instrs) else ""
+                lines.append(f"  launch {r.spec.name or r.entry.name[:40]} gpu {r.spec.gpu} CTAs {ctas[:8].tolist()}"
+                             f"{'...' if ctas.size > 8 else ''} ({g.threads.size} threads, {g.state}) at {where}: {txt}")
+        return "\n".join(lines)
+
+    def _merge(self, r):
+        if len(r.groups) < 2:
+            return
+        by = collections.defaultdict(list)
+        for g in r.groups:
+            by[g.signature()].append(g)
+        if len(by) == len(r.groups):
+            return
+        out = []
+        for sig, gs in by.items():
+            if len(gs) == 1 or gs[0].state == "done":
+                out.extend(gs)
+                continue
+            threads = np.concatenate([g.threads for g in gs])
+            order = np.argsort(threads, kind="stable")
+            stack = []
+            for lvl in range(len(gs[0].stack)):
+                mask = np.concatenate([g.stack[lvl].mask for g in gs])[order]
+                stack.append(Frame(gs[0].stack[lvl].pc, gs[0].stack[lvl].rpc, mask))
+            ng = Group(r, threads[order], stack)
+            ng.state, ng.bar_pc = gs[0].state, gs[0].bar_pc
+            ng.penalty = min(g.penalty for g in gs)
+            out.append(ng)
+        r.groups = out
+
+    def _release_barriers(self, r):
+        waiting = [g for g in r.groups if g.state == "bar"]
+        if not waiting:
+            return
+        arrived = np.zeros(r.N, bool)
+        for g in waiting:
+            arrived[g.threads[g.stack[-1].mask]] = True
+        live_per = np.bincount(r.cta_of[r.alive], minlength=r.n_cta)
+        arr_per = np.bincount(r.cta_of[arrived & r.alive], minlength=r.n_cta)
+        complete = live_per == arr_per
+        if not complete.any():
+            return
+        for cta in np.nonzero(complete & (arr_per > 0))[0]:
+            r.smem.cta_epoch[cta] += 1
+        new = []
+        for g in r.groups:
+            if g.state != "bar":
+                new.append(g)
+                continue
+            ctas = r.cta_of[g.threads]
+            ok = complete[ctas]
+            if not ok.any():
+                new.append(g)
+                continue
+            if not ok.all():     # split off the CTAs that may go on
+                rest = Group(r, g.threads[~ok], [Frame(f.pc, f.rpc, f.mask[~ok]) for f in g.stack])
+                rest.state, rest.bar_pc, rest.penalty = "bar", g.bar_pc, g.penalty
+                new.append(rest)
+                g.threads = g.threads[ok]
+                for f in g.stack:
+                    f.mask = f.mask[ok]
+            ins = r.entry.instrs[g.bar_pc]
+            if ins.opcode.startswith("bar.red") or ins.opcode.startswith("barrier.red"):
+                self._finish_bar_red(r, g, ins)
+            g.state = "run"
+            g.stack[-1].pc = g.bar_pc + 1
+            g.bar_pc = None
+            new.append(g)
+        r.groups = new
+
+    def _finish_bar_red(self, r, g, ins):
+        kind = ins.opcode.split(".")[2]
+        live = r.alive
+        vals = r.bar_vals
+        ctas = np.unique(r.cta_of[g.threads])
+        res = {}
+        for c in ctas:
+            m = (r.cta_of == c) & live
+            v = vals[m]
+            res[c] = bool(v.all()) if kind == "and" else bool(v.any())
+        t = g.threads[g.stack[-1].mask]
+        out = np.array([res[c] for c in r.cta_of[t]], bool)
+        dst = ins.operands[0].name
+        a = r.reg(dst)
+        a[t] = out
+        r.defined[dst][t] = True
+
+    def _run_group(self, g):
+        """Run g until it reaches a block boundary, a barrier, or exits. Returns warp-instrs."""
+        r = g.launch
+        prog = r.prog
+        instrs = r.entry.instrs
+        leaders = r.leaders
+        count = 0
+        st = r.stats
+        while True:
+            if not g.stack:
+                g.state = "done"
+                r.groups.remove(g)
+                return count
+            f = g.stack[-1]
+            if not f.mask.any():
+                g.stack.pop()
+                continue
+            if f.pc == EXIT or f.pc >= len(prog):
+                # reconverging at the exit, or falling off the end: the threads exit
+                self._exit(r, g, g.threads[f.mask])
+                continue
+            if f.pc == f.rpc:
+                g.stack.pop()
+                continue
+            pc = f.pc
+            ins = instrs[pc]
+            sel0, tids0 = sel, tids = g.sel()
+            gv = None
+            if ins.guard is not None:
+                gv = r.reg(ins.guard)[sel]
+                self._check_def(r, ins.guard, sel, ins)
+                if ins.guard_neg:
+                    gv = ~gv
+                if not gv.all():
+                    tids = tids[gv]
+                    sel = tids
+            if isinstance(sel, slice):
+                nw = (tids.size + 31) // 32
+            else:
+                nw = np.unique(r.warp_of[tids]).size if tids.size else 0
+            count += max(nw, 1)
+            st.thread_instr += tids.size
+            kind, fn = prog[pc]
+            st.warp_instr[_klass(ins.opcode)] += nw
+            self.clock_ns += 1
+            try:
+                if kind == "op":
+                    if tids.size:
+                        fn(sel, tids)
+                    f.pc = pc + 1
+                else:
+                    res = fn(g, f, sel0, tids0, gv, pc)
+                    if res == "yield":
+                        return count
+            except SimError as e:
+                if getattr(e, "_located", False):
+                    raise
+                e.args = (f"{e.args[0]}\n  at {r.where(ins)}: {ins.text}  [{r.entry.name[:60]}]",)
+                e._located = True
+                raise
+            if g.state != "run":
+                return count
+            if g.stack and g.stack[-1].pc in leaders:
+                return count
+
+    def _exit(self, r, g, tids):
+        r.alive[tids] = False
+        gone = np.isin(g.threads, tids)
+        keep = ~gone
+        g.threads = g.threads[keep]
+        for fr in g.stack:
+            fr.mask = fr.mask[keep]
+        g.stack = [fr for fr in g.stack if fr.mask.any()]
+        if not g.stack or g.threads.size == 0:
+            g.state = "done"
+            if g in r.groups:
+                r.groups.remove(g)
+
+    def _check_def(self, r, name, sel, ins):
+        d = r.defined.get(name)
+        if d is None:
+            raise SimError(f"read of register {name} that was never written")
+        if not d[sel].all():
+            raise SimError(f"read of register {name} that is not written on every active thread")
+
+    # decoding ---------------------------------------------------------------------------------
+    def decode(self, r, ins: Instr, pc):
+        from . import ops
+        return ops.decode(self, r, ins, pc)
