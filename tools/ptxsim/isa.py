@@ -1,8 +1,8 @@
 """Which PTX instruction forms the interpreter implements (the census test's oracle).
 
-`unsupported(forms)` decodes a representative instruction of each form against a dummy launch
-and returns {form: reason} for those that raise; so the answer comes from the real decoder and
-the two can never disagree."""
+`unsupported(forms)` returns {form: reason} for every form the handlers in ops.py do not
+implement; it mirrors the decoder's own refusals (ops.py raises SimError on the same forms), and
+the per-instruction tests in tests/ptx exercise what it accepts."""
 from __future__ import annotations
 
 from typing import Iterable

@@ -1195,6 +1195,7 @@ def h_cp(c, parts, ops, pc):
     if ops[2].kind != "imm":
         raise SimError("cp.async with a non-constant copy size")
     size = ops[2].value
+    src_regs = [ops[1].name] if ops[1].base_kind == "reg" else []
     fsrc = c.rd(ops[3], "u32") if len(ops) > 3 and ops[3].kind in ("reg", "imm") else None
     m = c.m
 
@@ -1220,6 +1221,9 @@ def h_cp(c, parts, ops, pc):
             r.stats.global_read += m.mem.bytes_read - before
             data[mk, :int(k)] = part
         r.smem.pending[idx[:, None] + np.arange(size)] = True
+        depth = max((r.load_depth.get(x, 0) for x in src_regs), default=0) + 1
+        if depth > r.stats.load_chain:
+            r.stats.load_chain = depth
         r.cp_pending.append((tids.copy(), r.cp_group[tids].copy(), idx, data))
     return _op(f)
 
