@@ -1,0 +1,264 @@
+"""Census of the PTX instruction forms the project's kernels compile to.
+
+A form is an instruction's opcode with all its dot-modifiers, e.g.
+`mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32`, `ld.global.nc.v4.u32`,
+`cp.async.wait_group`. Instructions inside inline-asm `{ }` scopes count; directives (.reg, .loc,
+.shared, ...), labels, guards (@%p / @!%p) and comments do not.
+
+    python -m tools.ptxsim.census [--no-triton] [--level default] [--json OUT]
+
+prints every form with its static count in the CUDA PTX (sm_120a and sm_90a, every csrc .cu) and
+the Triton PTX (sm_120, every config the launchers can pick), where it occurs, and the forms the
+interpreter (tools.ptxsim.isa.unsupported) does not support. Exit status 1 when there are any.
+"""
+from __future__ import annotations
+
+import argparse
+import collections
+import json
+import os
+import re
+import sys
+from typing import Iterable, Optional
+
+# Directives that end at the end of their line (no ';'), e.g. `.loc 1 15 3`; their text can
+# contain anything, so the whole line goes before the statement scan.
+_LINE_DIRECTIVES = re.compile(r"^[ \t]*\.(loc|file|version|target|address_size|maxntid|reqntid|minnctapersm|"
+                              r"maxnctapersm|maxnreg|maxclusterrank|reqnctapercluster|explicitcluster|"
+                              r"noreturn)\b[^\n]*", re.M)
+_COMMENTS = re.compile(r"//[^\n]*|/\*.*?\*/", re.S)
+_SECTIONS = re.compile(r"\.section\b[^{;]*\{.*?\}", re.S)  # DWARF sections: data, no code
+_DELIM = re.compile(r"[;{}]")
+_LABEL = re.compile(r"^[$%\w.]+:(?!:)\s*")
+_GUARD = re.compile(r"^@!?[$%\w.]+\s+")
+_OPCODE = re.compile(r"^[a-z][\w.:]*")
+_ENTRY = re.compile(r"\.(?:entry|func)\s+(?:\([^)]*\)\s*)?([$\w]+)")
+
+
+def _blank(m: re.Match) -> str:
+    """Replace a match by as many newlines as it spans, so line numbers stay right."""
+    return "\n" * m.group(0).count("\n")
+
+
+def _strip_labels(text: str) -> tuple[str, int]:
+    """The statement without its leading labels ($L__BB0_2:), and the newlines they spanned."""
+    lines = 0
+    while True:
+        m = _LABEL.match(text)
+        if not m:
+            return text, lines
+        lines += text[:m.end()].count("\n")
+        text = text[m.end():]
+
+
+def _statements(ptx: str):
+    """Yield (line, entry, statement) for every instruction statement of the PTX text (guards
+    removed, operands kept). Braces are told apart by where they stand: after an opcode they
+    hold a vector operand ({%r1, %r2}), after `=` an initializer, anywhere else a scope."""
+    text = _COMMENTS.sub(_blank, ptx)
+    text = _LINE_DIRECTIVES.sub("", text)
+    text = _SECTIONS.sub(_blank, text)
+    pos, line, entry = 0, 1, None
+    pending, pending_line = "", 1  # the statement being read and the line it starts on
+    vector = skip = 0  # depth inside a vector operand / an initializer
+
+    def finish(stmt: str, at: int):
+        nonlocal entry
+        stripped = stmt.strip()
+        at += stmt[:len(stmt) - len(stmt.lstrip())].count("\n")
+        stripped, n = _strip_labels(stripped)
+        at += n
+        if not stripped:
+            return None
+        if stripped.startswith("."):
+            em = _ENTRY.search(stripped)
+            if em:
+                entry = em.group(1)
+            return None
+        g = _GUARD.match(stripped)
+        if g:
+            stripped = stripped[g.end():]
+        return at, entry, stripped
+
+    for m in _DELIM.finditer(text):
+        seg = text[pos:m.start()]
+        if not pending:
+            pending_line = line
+        pending += seg
+        line += seg.count("\n")
+        pos = m.end()
+        d = m.group(0)
+        if skip:
+            skip += {"{": 1, "}": -1}.get(d, 0)
+            if not skip:
+                pending = ""
+            continue
+        if vector:
+            pending += d
+            vector += {"{": 1, "}": -1}.get(d, 0)
+            continue
+        head, _ = _strip_labels(pending.strip())
+        if d == "{" and head.endswith("="):
+            skip = 1
+            continue
+        if d == "{" and (head.startswith("@") or _OPCODE.match(head)):
+            pending += d
+            vector = 1
+            continue
+        got = finish(pending, pending_line)
+        pending = ""
+        if got is not None:
+            yield got
+    if pending.strip():
+        got = finish(pending, pending_line)
+        if got is not None:
+            yield got
+
+
+def _form(statement: str) -> Optional[str]:
+    m = _OPCODE.match(statement)
+    return m.group(0) if m else None
+
+
+def forms(ptx_text: str) -> collections.Counter:
+    """Static count of every instruction form in the PTX text."""
+    out: collections.Counter = collections.Counter()
+    for _, _, st in _statements(ptx_text):
+        f = _form(st)
+        if f is None:
+            raise ValueError(f"cannot read an opcode from the PTX statement {st[:120]!r}")
+        out[f] += 1
+    return out
+
+
+def forms_by_entry(ptx_text: str) -> dict[str, collections.Counter]:
+    """forms() per .entry / .func."""
+    out: dict[str, collections.Counter] = {}
+    for _, entry, st in _statements(ptx_text):
+        out.setdefault(entry or "?", collections.Counter())[_form(st)] += 1
+    return out
+
+
+def first_lines(ptx_text: str) -> dict[str, int]:
+    """The 1-based PTX line of each form's first occurrence."""
+    out: dict[str, int] = {}
+    for line, _, st in _statements(ptx_text):
+        out.setdefault(_form(st), line)
+    return out
+
+
+# --------------------------------------------------------------------------- the project's PTX
+class Source:
+    """One PTX module of the census: a CUDA file for one arch, or one Triton compile."""
+
+    def __init__(self, group: str, where: str, detail: str, ptx: str):
+        self.group, self.where, self.detail, self.ptx = group, where, detail, ptx
+        self.forms = forms(ptx)
+
+
+def cuda_sources(archs=("sm_120a", "sm_90a"), processes: int = 2) -> list[Source]:
+    from tools.ptxsim import build
+
+    out = []
+    for r in build.cuda_ptx_all(archs, processes):
+        cu = os.path.relpath(r.source, build.REPO)
+        out.append(Source(f"cuda {r.arch}", os.path.basename(cu), f"{cu} ({r.arch})", r.ptx))
+    return out
+
+
+def triton_sources(level: str = "default", arch: int = 120, processes: int = 2) -> list[Source]:
+    from tools.ptxsim import build
+
+    return [Source(f"triton sm_{arch}", job.kernel, job.describe(), res.ptx)
+            for job, res in build.triton_ptx_all(level, arch, processes)]
+
+
+def load_unsupported():
+    """tools.ptxsim.isa.unsupported, or None when the interpreter's ISA table is not there."""
+    try:
+        from tools.ptxsim.isa import unsupported
+    except ImportError:
+        return None
+    return unsupported
+
+
+def unsupported_report(sources: list[Source], unsupported) -> list[str]:
+    """One line per unsupported form: the reason and where it occurs (module, count, first line)."""
+    total = collections.Counter()
+    for s in sources:
+        total.update(s.forms)
+    bad = unsupported(sorted(total))
+    lines = []
+    for form in sorted(bad):
+        where = [s for s in sources if form in s.forms]
+        shown = "; ".join(f"{s.detail}: {s.forms[form]}x, first at PTX line {first_lines(s.ptx)[form]}"
+                          for s in where[:4])
+        more = f"; and {len(where) - 4} more modules" if len(where) > 4 else ""
+        lines.append(f"{form} ({bad[form]}) in {shown}{more}")
+    return lines
+
+
+def table(sources: list[Source]) -> tuple[list[str], dict]:
+    groups = list(dict.fromkeys(s.group for s in sources))
+    by_group = {g: collections.Counter() for g in groups}
+    where: dict[str, dict[str, collections.Counter]] = {}
+    for s in sources:
+        by_group[s.group].update(s.forms)
+        for f, n in s.forms.items():
+            where.setdefault(f, {}).setdefault(s.group, collections.Counter())[s.where] += n
+    all_forms = sorted(set().union(*by_group.values())) if by_group else []
+    rows = ["| form | " + " | ".join(groups) + " | where |", "|---|" + "---|" * len(groups) + "---|"]
+    for f in all_forms:
+        w = "; ".join(f"{g.split()[0]}: " + ", ".join(f"{k} {n}" for k, n in sorted(where[f][g].items()))
+                      for g in groups if g in where[f])
+        rows.append(f"| `{f}` | " + " | ".join(str(by_group[g].get(f, "")) for g in groups) + f" | {w} |")
+    stats = {g: dict(distinct=len(c), static=sum(c.values())) for g, c in by_group.items()}
+    return rows, dict(groups=stats, by_group={g: dict(c) for g, c in by_group.items()})
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--no-triton", action="store_true", help="CUDA PTX only")
+    ap.add_argument("--no-cuda", action="store_true", help="Triton PTX only")
+    ap.add_argument("--level", default="default", help="Triton case level: ci, quick, default, all")
+    ap.add_argument("--jobs", type=int, default=2, help="nvcc / Triton compile processes (default 2)")
+    ap.add_argument("--json", default=None, help="write the per-group counts as JSON here")
+    opts = ap.parse_args(argv)
+
+    sources: list[Source] = []
+    if not opts.no_cuda:
+        sources += cuda_sources(processes=opts.jobs)
+    if not opts.no_triton:
+        sources += triton_sources(opts.level, 120, opts.jobs)
+    rows, stats = table(sources)
+    print("\n".join(rows))
+    print()
+    g = stats["groups"]
+    for name, s in g.items():
+        n = sum(1 for src in sources if src.group == name)
+        print(f"{name}: {s['distinct']} distinct forms, {s['static']} static instructions in {n} PTX modules")
+    bg = {k: set(v) for k, v in stats["by_group"].items()}
+    sm120 = set().union(*(v for k, v in bg.items() if "120" in k)) if bg else set()
+    if "cuda sm_120a" in bg and "triton sm_120" in bg:
+        shared = bg["cuda sm_120a"] & bg["triton sm_120"]
+        print(f"sm_120(a), CUDA + Triton: {len(sm120)} distinct forms ({len(shared)} in both)")
+    only90 = set().union(*(v for k, v in bg.items() if "90" in k)) - sm120 if bg else set()
+    if only90:
+        print(f"only in sm_90a PTX ({len(only90)}): " + ", ".join(sorted(only90)))
+    unsupported = load_unsupported()
+    if unsupported is None:
+        print("\ntools.ptxsim.isa is not available: support not checked")
+        bad = []
+    else:
+        bad = unsupported_report(sources, unsupported)
+        print(f"\nforms the interpreter does not support: {len(bad)}")
+        for line in bad:
+            print("  " + line)
+    if opts.json:
+        with open(opts.json, "w") as f:
+            json.dump(stats, f, indent=1)
+    return 1 if bad else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
