@@ -890,7 +890,7 @@ def h_atom(c, parts, ops, pc):
         cc = _bcast(fc(sel, tids), tids).astype(_NP[typ]) if fc else None
         old_all = np.zeros(tids.size, _NP[typ])
         for i in range(tids.size):       # atomics of one instruction serialise in lane order
-            old = acc.load(tids[i:i + 1], a[i:i + 1], size).copy().view(_NP[typ])[0]
+            old = acc.load(tids[i:i + 1], a[i:i + 1], size).copy().view(_NP[typ]).reshape(-1)[0]
             if opn == "cas":
                 new = cc[i] if old == b[i] else old
             elif opn == "add":
