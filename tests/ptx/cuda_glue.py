@@ -16,7 +16,7 @@ import os
 import numpy as np
 import torch
 
-from tools.ptxsim.build import cuda_ptx
+from tools.ptxsim.build import cuda_ptx, cuda_ptx_from_source
 from tools.ptxsim.executor import Launch, Machine
 from tools.ptxsim.launch import module_of, pack_params
 
@@ -68,14 +68,14 @@ class _Buffers:
         self.m = m
         self.by_storage = {}
 
-    def ptr(self, t):
+    def ptr(self, t, name=None):
         if t is None:
             return 0
         st = t.untyped_storage()
         key = st.data_ptr()
         if key not in self.by_storage:
             raw = torch.empty(0, dtype=torch.uint8).set_(st).numpy() if st.nbytes() else np.zeros(0, np.uint8)
-            addr = self.m.upload(raw.copy(), f"tensor{len(self.by_storage)}")
+            addr = self.m.upload(raw.copy(), name or f"tensor{len(self.by_storage)}")
             self.by_storage[key] = (addr, st)
         addr, _ = self.by_storage[key]
         return addr + t.storage_offset() * t.element_size()
@@ -91,13 +91,18 @@ class PtxCudaOps:
     """torch.ops.spec_kernels_cuda over the interpreter. `launches` records (kernel, grid, block,
     smem, Stats) of every simulated launch for the tests and the counter report."""
 
-    def __init__(self, arch: str = ARCH, mma: str = "fast", check_races: bool = True):
+    def __init__(self, arch: str = ARCH, mma: str = "fast", check_races: bool = True, patched=None):
+        """patched: {csrc-relative .cu path: edited source text} compiled instead of the file
+        (the mutant tests)."""
         self.arch = arch
         self.mma = mma
         self.check_races = check_races
+        self.patched = dict(patched or {})
         self.launches = []
 
     def _module(self, cu: str):
+        if cu in self.patched:
+            return module_of(cuda_ptx_from_source(self.patched[cu], self.arch, os.path.join("csrc", cu)))
         return module_of(cuda_ptx(os.path.join(REPO, "csrc", cu), self.arch))
 
     def _machine(self):
@@ -120,8 +125,8 @@ class PtxCudaOps:
         m = self._machine()
         buf = _Buffers(m)
         p = TreeVerifyParams()
-        p.q, p.k_cache, p.v_cache = buf.ptr(q), buf.ptr(k_cache), buf.ptr(v_cache)
-        p.kv_indptr, p.kv_indices = buf.ptr(kv_indptr), buf.ptr(kv_indices)
+        p.q, p.k_cache, p.v_cache = buf.ptr(q, "q"), buf.ptr(k_cache, "k_cache"), buf.ptr(v_cache, "v_cache")
+        p.kv_indptr, p.kv_indices = buf.ptr(kv_indptr, "kv_indptr"), buf.ptr(kv_indices, "kv_indices")
         p.kv_indices_int64 = kv_indices.dtype == torch.int64
         p.qo_indptr, p.tree_mask = buf.ptr(qo_indptr), buf.ptr(tree_mask)
         p.out, p.lse = buf.ptr(out), buf.ptr(lse)
@@ -158,3 +163,222 @@ class PtxCudaOps:
         self._run(m, mod, "tree_mask_from_parents_kernel", (B,), (64,),
                   [buf.ptr(parents), buf.ptr(qo_indptr), buf.ptr(tree_mask), parents.numel()])
         buf.copy_back()
+
+    # ------------------------------------------------------------------ MLA tree verify attention
+    def mla_tree_verify_attention(self, q, kv_cache, kv_indptr, kv_indices, qo_indptr, tree_mask, out, lse,
+                                  o_partial, lse_partial, sm_scale, num_splits, min_chunk, max_rows):
+        T, H, D = q.shape
+        B = kv_indptr.numel() - 1
+        # launch_mla_tree_verify_attention(): nothing to do without requests or tokens
+        if B == 0 or T == 0:
+            return
+        m = self._machine()
+        buf = _Buffers(m)
+        p = MlaParams()
+        p.q, p.kv_cache = buf.ptr(q), buf.ptr(kv_cache)
+        p.kv_indptr, p.kv_indices = buf.ptr(kv_indptr), buf.ptr(kv_indices)
+        p.kv_indices_int64 = kv_indices.dtype == torch.int64
+        p.qo_indptr = buf.ptr(qo_indptr) if qo_indptr is not None else 0
+        p.tree_mask = buf.ptr(tree_mask) if tree_mask is not None else 0
+        p.out = buf.ptr(out)
+        p.lse = buf.ptr(lse) if lse is not None else 0
+        p.o_partial = buf.ptr(o_partial) if num_splits > 1 else 0
+        p.lse_partial = buf.ptr(lse_partial) if num_splits > 1 else 0
+        p.q_stride_t, p.q_stride_h = q.stride(0), q.stride(1)
+        p.kv_stride_s = kv_cache.stride(0)
+        p.o_stride_t, p.o_stride_h = out.stride(0), out.stride(1)
+        p.num_slots, p.num_indices = kv_cache.shape[0], kv_indices.numel()
+        p.num_requests, p.num_tokens, p.num_heads = B, T, H
+        p.max_rows, p.num_splits, p.min_chunk = max_rows, num_splits, min_chunk
+        p.sm_scale_log2 = sm_scale * 1.4426950408889634
+        raw = bytes(p)
+        mod = self._module("mla/mla_tree_verify_attention.cu")
+        tname = "13__nv_bfloat16" if q.dtype == torch.bfloat16 else "6__half"
+        # launch_for_rows(): mla_block_m(max_rows) = 16 (1 m tile) or 32 (2); launch(): 4 warps,
+        # MlaTile<kMTiles>::kSmemBytes = (block_m * 576 + 2 * 16 * 576) * 2 + 4 warps * (m tiles * 256) * 4
+        m_tiles = 1 if max_rows <= 16 else 2
+        block_m = 16 * m_tiles
+        smem = (block_m * 576 + 2 * 16 * 576) * 2 + 4 * (m_tiles * 2 * 4 * 32) * 4
+        m_blocks = -(-max_rows // block_m)
+        self._run(m, mod, f"mla_tree_verify_kernelI{tname}Li{m_tiles}E", (B * m_blocks, num_splits), (128,),
+                  [raw], smem)
+        if num_splits > 1:
+            self._run(m, mod, f"mla_merge_splits_kernelI{tname}E", (T * H,), (128,), [raw])
+        buf.copy_back()
+
+    # ------------------------------------------------------------------ fused add + RMSNorm
+    def fused_add_rmsnorm(self, x, residual, weight, out, residual_out, eps, out_scale):
+        rows, hidden = x.shape
+        if rows == 0:  # launch_fused_add_rmsnorm(): no launch
+            return
+        fp8 = out_scale is not None
+        # ops.cpp inv_out_scale(): 1 / out_scale in fp32, 1 without fp8 output (launch_out passes 1.f)
+        inv_scale = float(np.float32(1.0 / out_scale)) if fp8 else 1.0
+        m = self._machine()
+        buf = _Buffers(m)
+        px, pr, pw, po, pro = (buf.ptr(t) for t in (x, residual, weight, out, residual_out))
+        tnames = {torch.float16: "6__half", torch.bfloat16: "13__nv_bfloat16", torch.float32: "f"}
+        tname = tnames[x.dtype]
+        oname = "13__nv_fp8_e4m3" if fp8 else ("f" if x.dtype == torch.float32 else "S2_")
+        # launch_typed(): 16-byte vectors when hidden % kVec == 0 and the (simulated) device
+        # pointers are 16-byte aligned (out: kVec * sizeof(OutT) bytes), else the scalar kernel
+        vec = 16 // x.element_size()
+        out_vec_bytes = vec * out.element_size()
+        vec_ok = (hidden % vec == 0 and all(a % 16 == 0 for a in (px, pr, pw, pro)) and po % out_vec_bytes == 0)
+        if not vec_ok:
+            vec = 1
+        # launch_vec(): norm::row_launch(hidden / VEC, kMaxItems)
+        max_items = 16 if vec == 1 else 4
+        nvec = hidden // vec
+        items = 1
+        while items < max_items and nvec > items * 1024:
+            items *= 2
+        threads = -(-nvec // items)
+        threads = min(-(-threads // 32) * 32, 1024)
+        mod = self._module("norm/fused_add_rmsnorm.cu")
+        self._run(m, mod, f"fused_add_rmsnorm_kernelI{tname}{oname}Li{vec}ELi{items}E", (rows,), (threads,),
+                  [px, pr, pw, po, pro, hidden, float(eps), inv_scale])
+        buf.copy_back()
+
+    # ------------------------------------------------------------------ draft-token KV slots
+    def alloc_draft_slots(self, req_to_token, req_pool_indices, seq_lens, num_draft, free_pages, num_free,
+                          page_state, page_size, max_draft, out_cache_loc, status):
+        m = self._machine()
+        buf = _Buffers(m)
+        batch = _kv_slot_batch(buf, req_to_token, req_pool_indices, seq_lens, num_draft, free_pages, num_free,
+                               page_state, page_size, max_draft, status)
+        mod = self._module("kv_slots/kv_slots.cu")
+        # launch_alloc_draft_slots: one block of kThreads
+        self._run(m, mod, "alloc_draft_slots_kernel", (1,), (KV_THREADS,),
+                  [bytes(batch), buf.ptr(out_cache_loc), out_cache_loc.numel(), _group_size_for(max_draft)])
+        buf.copy_back()
+
+    def commit_draft_slots(self, req_to_token, req_pool_indices, seq_lens, num_draft, accept_index, accept_len,
+                           free_pages, num_free, page_state, page_size, max_draft, kv_table, kv_rows, kv_unit_bytes,
+                           kv_blocks_per_request, move_sync, move_tag, new_seq_lens, status):
+        m = self._machine()
+        buf = _Buffers(m)
+        batch = _kv_slot_batch(buf, req_to_token, req_pool_indices, seq_lens, num_draft, free_pages, num_free,
+                               page_state, page_size, max_draft, status)
+        B = req_pool_indices.numel()
+        args = KvCommitArgs()
+        args.accept_index = IndexTensor(buf.ptr(accept_index), accept_index.dtype == torch.int64)
+        args.accept_width = accept_index.shape[1]
+        args.accept_len = IndexTensor(buf.ptr(accept_len), accept_len.dtype == torch.int64)
+        args.new_seq_lens = IndexTensor(buf.ptr(new_seq_lens), new_seq_lens.dtype == torch.int64)
+        kv = None
+        if kv_table is not None:
+            # The table holds the buffers' addresses in this process: their bytes go to the
+            # simulated memory and the table is rewritten with the simulated addresses.
+            kv = _KvRegions(m, kv_table, kv_rows)
+            args.kv_table = kv.table_addr
+            args.num_kv_buffers = kv_table.shape[1]
+            args.num_kv_rows = kv_rows
+            args.kv_unit_bytes = kv_unit_bytes
+            args.kv_blocks_per_request = kv_blocks_per_request
+        if kv_table is not None and page_size > 1 and B > 0:
+            if move_sync is None or move_sync.numel() != KV_MOVE_SYNC_WORDS or move_sync.dtype != torch.int64:
+                raise ValueError("move_sync must be an int64 [3] when KV rows move")
+            if not 1 <= move_tag < (1 << KV_MOVE_TAG_BITS):
+                raise ValueError(f"move_tag out of range: {move_tag}")
+            args.move_sync = buf.ptr(move_sync)
+            args.move_tag = move_tag
+        # launch_commit_draft_slots
+        moves = page_size > 1 and kv_table is not None and B > 0
+        pool_slots = free_pages.numel() * page_size
+        slot_bound = kv_rows if moves and kv_rows < pool_slots else pool_slots
+        prefix_only = page_size > 1 and not moves
+        if not moves:
+            args.move_sync = 0
+        blocks = B * kv_blocks_per_request if moves else 1
+        mod = self._module("kv_slots/kv_slots.cu")
+        self._run(m, mod, "commit_draft_slots_kernel", (blocks,), (KV_THREADS,),
+                  [bytes(batch), bytes(args), _group_size_for(max_draft), slot_bound, int(prefix_only)])
+        buf.copy_back()
+        if kv is not None:
+            kv.copy_back()
+
+
+KV_THREADS = 1024          # kv_slots.cu kThreads
+KV_MOVE_SYNC_WORDS = 3     # launchers.h kKvMoveSyncWords
+KV_MOVE_TAG_BITS = 63 - 25  # launchers.h kKvMoveTagBits
+
+
+class IndexTensor(ctypes.Structure):
+    """csrc/include/spec_kernels/launchers.h IndexTensor."""
+    _fields_ = [("data", P), ("is_int64", ctypes.c_bool)]
+
+
+class KvSlotBatch(ctypes.Structure):
+    """launchers.h KvSlotBatch (136 bytes, like the kernels' .param)."""
+    _fields_ = [("req_to_token", IndexTensor), ("num_rows", ctypes.c_int64), ("max_context", ctypes.c_int64),
+                ("req_pool_indices", IndexTensor), ("seq_lens", IndexTensor), ("num_draft", IndexTensor),
+                ("num_requests", ctypes.c_int), ("free_pages", P), ("num_pages", ctypes.c_int64),
+                ("num_free", P), ("page_state", P), ("log2_page_size", ctypes.c_int), ("max_draft", ctypes.c_int),
+                ("status", P)]
+
+
+class KvCommitArgs(ctypes.Structure):
+    """launchers.h KvCommitArgs (104 bytes)."""
+    _fields_ = [("accept_index", IndexTensor), ("accept_width", ctypes.c_int64), ("accept_len", IndexTensor),
+                ("new_seq_lens", IndexTensor), ("kv_table", P), ("num_kv_buffers", ctypes.c_int),
+                ("num_kv_rows", ctypes.c_int64), ("kv_unit_bytes", ctypes.c_int),
+                ("kv_blocks_per_request", ctypes.c_int), ("move_sync", P), ("move_tag", ctypes.c_uint64)]
+
+
+def _group_size_for(max_draft):
+    g = 1
+    while g < max_draft and g < 32:
+        g *= 2
+    return g
+
+
+def _kv_slot_batch(buf, req_to_token, req_pool_indices, seq_lens, num_draft, free_pages, num_free, page_state,
+                   page_size, max_draft, status):
+    """ops.cpp kv_slot_batch (its argument checks are the binding's business here)."""
+    for name, t in (("req_to_token", req_to_token), ("req_pool_indices", req_pool_indices),
+                    ("seq_lens", seq_lens), ("num_draft", num_draft)):
+        if t.dtype not in (torch.int32, torch.int64) or not t.is_contiguous():
+            raise ValueError(f"{name} must be a contiguous int32/int64 tensor")
+    if page_size < 1 or page_size & (page_size - 1):
+        raise ValueError(f"page_size must be a power of two, got {page_size}")
+    b = KvSlotBatch()
+    b.req_to_token = IndexTensor(buf.ptr(req_to_token), req_to_token.dtype == torch.int64)
+    b.num_rows, b.max_context = req_to_token.shape
+    b.req_pool_indices = IndexTensor(buf.ptr(req_pool_indices), req_pool_indices.dtype == torch.int64)
+    b.seq_lens = IndexTensor(buf.ptr(seq_lens), seq_lens.dtype == torch.int64)
+    b.num_draft = IndexTensor(buf.ptr(num_draft), num_draft.dtype == torch.int64)
+    b.num_requests = req_pool_indices.numel()
+    b.free_pages = buf.ptr(free_pages)
+    b.num_pages = free_pages.numel()
+    b.num_free = buf.ptr(num_free)
+    b.page_state = buf.ptr(page_state)
+    b.log2_page_size = page_size.bit_length() - 1
+    b.max_draft = max_draft
+    b.status = buf.ptr(status)
+    return b
+
+
+class _KvRegions:
+    """The KV buffers a commit's kv_table points at (int64 [3, n]: address in this process, row
+    stride bytes, row bytes): each buffer's rows copied into the simulated memory, the table
+    rewritten with the simulated addresses, and the rows copied back after the run."""
+
+    def __init__(self, m: Machine, kv_table, kv_rows):
+        self.m = m
+        rows = kv_table.cpu().tolist()
+        self.spans = []
+        sim = []
+        for base, stride, row_bytes in zip(*rows):
+            extent = (kv_rows - 1) * stride + row_bytes
+            data = np.frombuffer(ctypes.string_at(base, extent), np.uint8).copy()
+            addr = m.upload(data, f"kv{len(self.spans)}")
+            self.spans.append((base, extent, addr))
+            sim.append(addr)
+        table = np.array([sim, rows[1], rows[2]], dtype=np.int64)
+        self.table_addr = m.upload(table, "kv_table")
+
+    def copy_back(self):
+        for base, extent, addr in self.spans:
+            data = self.m.download(addr, np.uint8, (extent,))
+            ctypes.memmove(base, data.ctypes.data, extent)

@@ -131,13 +131,15 @@ class Stats:
         self.shared_wavefronts = collections.Counter()
         self.fences = 0
         self.load_chain = 0          # longest chain of dependent global loads seen by one thread
+        self.region_read = {}        # allocation name -> bytes read (all launches of the run)
         self.groups_max = 0
 
     def as_dict(self):
         return {"warp_instructions": dict(self.warp_instr), "thread_instructions": self.thread_instr,
                 "global_bytes_read": self.global_read, "global_bytes_written": self.global_written,
                 "bank_conflicts": dict(self.bank_conflicts), "fences": self.fences,
-                "longest_dependent_global_load_chain": self.load_chain}
+                "longest_dependent_global_load_chain": self.load_chain,
+                "bytes_read_by_buffer": dict(self.region_read)}
 
 
 def _klass(op):
@@ -392,7 +394,11 @@ class Machine:
         if module is not None:
             self.load_module_globals(module)
         runs = [_Run(self, spec, self._module_vars) for spec in launches]
+        before = dict(self.mem.region_read)
         self._schedule(runs)
+        region_read = {k: v - before.get(k, 0) for k, v in self.mem.region_read.items() if v != before.get(k, 0)}
+        for r in runs:
+            r.stats.region_read = region_read   # of all launches run together
         for r in runs:
             r.stats.groups_max = max(r.stats.groups_max, 1)
         return [r.stats for r in runs]

@@ -37,6 +37,7 @@ class GlobalMemory:
         self.bytes_read = 0
         self.bytes_written = 0
         self.stores = 0            # stores + atomics: the scheduler's progress measure
+        self.region_read = {}      # region name -> bytes loaded from it (all requests, cp.async incl.)
 
     def alloc(self, nbytes: int, name: str = "buffer", data=None) -> int:
         buf = np.zeros(max(int(nbytes), 0), np.uint8)
@@ -60,7 +61,7 @@ class GlobalMemory:
         rid = (addrs.astype(np.int64) - GLOBAL_BASE) >> REGION_SHIFT
         return (addrs >= GLOBAL_BASE) & (rid < len(self.regions))
 
-    def _translate(self, addrs: np.ndarray, width: int, what: str):
+    def _translate(self, addrs: np.ndarray, width: int, what: str, names: bool = False):
         a = addrs.astype(np.uint64)
         if a.size == 0:
             return []
@@ -83,14 +84,15 @@ class GlobalMemory:
                 bad = int(o[np.nonzero(o + width > buf.size)[0][0]])
                 raise SimError(f"{what} of {width} bytes at offset {bad} of {name!r} "
                                f"({buf.size} bytes): out of bounds")
-            out.append((idx, buf, o))
+            out.append((idx, buf, o, name) if names else (idx, buf, o))
         return out
 
     def load(self, addrs: np.ndarray, width: int) -> np.ndarray:
         """Bytes (n, width) at each address."""
         res = np.empty((addrs.size, width), np.uint8)
-        for idx, buf, o in self._translate(addrs, width, "load"):
+        for idx, buf, o, name in self._translate(addrs, width, "load", names=True):
             res[idx] = buf[o[:, None] + np.arange(width)]
+            self.region_read[name] = self.region_read.get(name, 0) + idx.size * width
         self.bytes_read += addrs.size * width
         return res
 

@@ -1,0 +1,116 @@
+"""The compiled tree-verify / decode attention kernels (csrc/tree_verify/*.cu, sm_120a PTX) run by
+the PTX interpreter against the reference, through the real Python binding
+(spec_kernels.tree_verify.cuda: launch plan, split buffers) with cuda_ops pointing at the
+interpreter.
+
+Tolerances: the reference runs in fp32 on the same fp16/bf16 inputs. The kernel rounds P to the
+input type for the PV mma and rounds the output once, so |err| <= ~2 ulp of the input type at the
+output's magnitude (|out| < 4 here): 2e-2 for bf16 (ulp 2^-8 at 1..2), 5e-3 for fp16 (2^-10).
+lse is computed in fp32 from fp32 logits: 1e-4.
+"""
+import os
+import sys
+
+import pytest
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # tests/: tree_cases
+
+import spec_kernels  # noqa: E402
+from spec_kernels.tree_verify import cuda as tv_cuda  # noqa: E402
+from tree_cases import make_case  # noqa: E402
+
+from cuda_glue import PtxCudaOps  # noqa: E402
+
+TOL = {torch.bfloat16: 2e-2, torch.float16: 5e-3}
+
+
+def run_ptx(case, ops, *, decode=False, splits=0, max_draft_tokens=0):
+    T, Hq, D = case.q.shape
+    if decode:
+        T = case.kv_indptr.numel() - 1
+    q = case.q[:T]
+    out = torch.full((T, Hq, case.v_cache.shape[2]), float("nan"), dtype=q.dtype)
+    lse = torch.full((T, Hq), float("nan"))
+    saved = tv_cuda.cuda_ops
+    tv_cuda.cuda_ops = lambda: ops
+    try:
+        tv_cuda.tree_verify_attention(q, case.k_cache, case.v_cache, case.kv_indptr, case.kv_indices,
+                                      None if decode else case.qo_indptr, None if decode else case.tree_mask,
+                                      D ** -0.5, out, lse, num_kv_splits=splits, max_draft_tokens=max_draft_tokens)
+    finally:
+        tv_cuda.cuda_ops = saved
+    return out, lse
+
+
+def reference(case, decode=False):
+    T = case.kv_indptr.numel() - 1 if decode else case.q.shape[0]
+    if decode:
+        return spec_kernels.decode_attention(case.q[:T].float(), case.k_cache.float(), case.v_cache.float(),
+                                             case.kv_indptr, case.kv_indices, impl="reference", return_lse=True)
+    return spec_kernels.tree_verify_attention(case.q.float(), case.k_cache.float(), case.v_cache.float(),
+                                              case.kv_indptr, case.kv_indices, case.qo_indptr, case.tree_mask,
+                                              impl="reference", return_lse=True)
+
+
+def check(case, dtype, **kw):
+    ops = PtxCudaOps()
+    out, lse = run_ptx(case, ops, **kw)
+    ref, ref_lse = reference(case, kw.get("decode", False))
+    torch.testing.assert_close(out.float(), ref.float(), atol=TOL[dtype], rtol=TOL[dtype], equal_nan=True)
+    torch.testing.assert_close(lse, ref_lse.float(), atol=1e-4, rtol=1e-4, equal_nan=True)
+    return ops
+
+
+# (draft counts, prefix lengths, hq, hkv, head dim, dtype, tree kind, forced splits, index dtype)
+CASES = [
+    ([5, 0, 17], [70, 3, 0], 4, 2, 64, torch.bfloat16, "random", 2, torch.int32),   # n_b 0, empty prefix, split
+    ([3, 9], [0, 130], 2, 2, 64, torch.float16, "forest", 0, torch.int64),         # 3 tiles, partial, int64 idx
+    ([64], [5], 2, 1, 64, torch.bfloat16, "chain", 0, torch.int32),                # n_b = 64: two row blocks
+    ([7, 2], [40, 65], 4, 1, 128, torch.float16, "wide", 3, torch.int32),          # D 128, 3 splits
+    ([4], [33], 2, 1, 256, torch.bfloat16, "random", 0, torch.int32),              # D 256 (32-key stages)
+]
+
+
+@pytest.mark.parametrize("ns,prefixes,hq,hkv,d,dtype,kind,splits,idx", CASES,
+                         ids=[f"case{i}" for i in range(len(CASES))])
+def test_tree_verify_matches_reference(ns, prefixes, hq, hkv, d, dtype, kind, splits, idx):
+    case = make_case(ns, prefixes, hq=hq, hkv=hkv, d=d, dtype=dtype, kind=kind, index_dtype=idx, seed=sum(ns) + d)
+    ops = check(case, dtype, splits=splits)
+    names = [l[0] for l in ops.launches]
+    assert any(n.startswith("tree_verify_kernel") for n in names)
+    assert ("merge_splits" in " ".join(names)) == (splits > 1)
+
+
+@pytest.mark.parametrize("dtype,splits", [(torch.bfloat16, 0), (torch.float16, 2)])
+def test_decode_matches_reference(dtype, splits):
+    case = make_case([1, 1, 1], [9, 66, 1], hq=8, hkv=2, d=64, dtype=dtype, seed=3)
+    check(case, dtype, decode=True, splits=splits)
+
+
+def test_nan_in_attended_key_gives_nan_row_only():
+    case = make_case([3, 2], [20, 4], hq=2, hkv=1, d=64, dtype=torch.bfloat16, kind="chain", seed=5)
+    # poison the K row of request 1's first prefix slot: every row of request 1 sees it
+    slot = int(case.kv_indices[int(case.kv_indptr[1])])
+    case.k_cache[slot, 0, 3] = float("nan")
+    ops = PtxCudaOps()
+    out, lse = run_ptx(case, ops)
+    assert torch.isnan(out[3:].float()).all() and torch.isnan(lse[3:]).all()
+    assert torch.isfinite(out[:3].float()).all() and torch.isfinite(lse[:3]).all()
+    ref, ref_lse = reference(case)
+    torch.testing.assert_close(out.float(), ref.float(), atol=2e-2, rtol=2e-2, equal_nan=True)
+
+
+def test_counters_read_each_kv_byte_once():
+    """Tree verify with n = 16 drafts on a 240-key prefix, all 4 query heads of the KV head in
+    one CTA: every K and V byte the request references is read exactly once, and no ldmatrix or
+    cp.async store has a shared-memory bank conflict."""
+    case = make_case([16], [240], hq=4, hkv=1, d=64, dtype=torch.bfloat16, kind="random", seed=7)
+    ops = check(case, torch.bfloat16)
+    stats = [l[4] for l in ops.launches if l[0].startswith("tree_verify_kernel")][0]
+    kv_bytes = 256 * 64 * 2            # keys x D x bf16, per cache
+    assert stats.region_read["k_cache"] == kv_bytes, stats.region_read
+    assert stats.region_read["v_cache"] == kv_bytes, stats.region_read
+    assert stats.bank_conflicts.get("ldmatrix.sync.aligned.m8n8.x4.shared.b16", 0) == 0
+    assert stats.bank_conflicts.get("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16", 0) == 0
+    assert stats.bank_conflicts.get("cp.async.cg.shared.global", 0) == 0
