@@ -112,7 +112,7 @@ _TYPE_SIZE = {"b8": 1, "u8": 1, "s8": 1, "b16": 2, "u16": 2, "s16": 2, "f16": 2,
               "b64": 8, "u64": 8, "s64": 8, "f64": 8, "pred": 1}
 
 _COMMENT = re.compile(r"//[^\n]*|/\*.*?\*/", re.S)
-_LABEL = re.compile(r"^([$%\w.]+):")
+_LABEL = re.compile(r"^([$%\w.]+):(?!:)")  # not "st.shared::cta"
 _ENTRY = re.compile(r"\.entry\s+([\w$.]+)\s*\(")
 _REG_RANGE = re.compile(r"^(%?[\w$.]+)<(\d+)>$")
 _NUM = re.compile(r"^-?(0[xX][0-9a-fA-F]+|\d+)[uU]?$")
