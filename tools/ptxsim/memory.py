@@ -161,6 +161,18 @@ class SharedMemory:
     def _gwarp(self, t):
         return (t // self.tpc) * ((self.tpc + 31) // 32) + (t % self.tpc) // 32
 
+    @staticmethod
+    def _same_values(flat, data):
+        if data is None:
+            return False
+        d = np.asarray(data).astype(np.uint8, copy=False).reshape(-1)
+        if d.size != flat.size:
+            return False
+        order = np.argsort(flat, kind="stable")
+        fs, ds = flat[order], d[order]
+        dup = fs[1:] == fs[:-1]
+        return bool(np.all(ds[1:][dup] == ds[:-1][dup]))
+
     def access(self, threads, base_idx, width, write, what, data=None, lanes_write_same_ok=False):
         """Check and perform a shared access; returns bytes (n, width) for reads."""
         idx = base_idx[:, None] + np.arange(width)
@@ -192,7 +204,9 @@ class SharedMemory:
                                  f"{int(self.r_tid[flat[i]]) % self.tpc} with no barrier in between")
                 if flat.size > 1 and not lanes_write_same_ok:
                     u, c = np.unique(flat, return_counts=True)
-                    if np.any(c > 1):
+                    # Lanes of one store writing the same byte: one write lands (which is undefined),
+                    # so it is only a race when their values differ (Triton stores replicated values).
+                    if np.any(c > 1) and not self._same_values(flat, data):
                         b = int(u[np.nonzero(c > 1)[0][0]])
                         raise Hazard(f"shared-memory race: several threads write byte {b % self.size} "
                                      f"of CTA {b // self.size} in one {what}")

@@ -435,10 +435,16 @@ def _fma(a, b, c_, mods, typ):
 
 
 def _fminmax(op):
-    def f(a, b, mods, typ):
+    def f(a, b, *rest):
+        # min/max.f32 d, a, b[, c] (PTX ISA 8.8: three inputs on sm_100+): NaN inputs are ignored
+        # unless .NaN; the result is NaN only if all are.
+        *more, mods, typ = rest
         r = np.fmin(a, b) if op == "min" else np.fmax(a, b)
+        for c_ in more:
+            r = np.fmin(r, c_) if op == "min" else np.fmax(r, c_)
         if "NaN" in mods:
-            r = np.where(np.isnan(a) | np.isnan(b), np.nan, r)
+            r = np.where(np.isnan(a) | np.isnan(b) | np.any([np.isnan(c_) for c_ in more] or [False], axis=0),
+                         np.nan, r)
         return r
     return f
 
