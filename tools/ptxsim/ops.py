@@ -594,10 +594,36 @@ def h_setp(c, parts, ops, pc):
     return _op(f)
 
 
+class _NoDefCheck:
+    """Stands in for the Machine in a Ctx whose register reads skip the never-written check."""
+
+    @staticmethod
+    def _check_def(r, name, sel, ins):
+        return None
+
+
 def h_selp(c, parts, ops, pc):
+    # Definedness flows through selp: the result is defined where the SELECTED operand is. Compiled
+    # code selects an uninitialised variable on paths that never use it (CUB's block scan keeps
+    # warp 0's unused warp_prefix in a loop-carried register), so reading it is not yet an error.
     typ = _type_of(parts)
-    fa, fb, fp, dst = c.rd(ops[1], typ), c.rd(ops[2], typ), c.rd(ops[3], "pred"), c.wr(ops[0], typ)
-    return _op(lambda sel, tids: dst(sel, tids, _bcast(np.where(fp(sel, tids), fa(sel, tids), fb(sel, tids)), tids)))
+    fp, dst = c.rd(ops[3], "pred"), c.wr(ops[0], typ)
+    raw = Ctx(_NoDefCheck(), c.r, c.ins)
+    fa, fb = raw.rd(ops[1], typ), raw.rd(ops[2], typ)
+    r = c.r
+    name = ops[0].name if ops[0].kind == "reg" else None
+
+    def defined(op, sel):
+        return r.defined[op.name][sel] if op.kind == "reg" and op.name in r.defined else op.kind != "reg"
+
+    def f(sel, tids):
+        p = _bcast(fp(sel, tids), tids)
+        v = _bcast(np.where(p, fa(sel, tids), fb(sel, tids)), tids)
+        ok = np.where(p, defined(ops[1], sel), defined(ops[2], sel))  # before dst may overwrite a source
+        dst(sel, tids, v)
+        if name is not None:
+            r.defined[name][sel] = ok
+    return _op(f)
 
 
 def h_cvt(c, parts, ops, pc):
