@@ -217,6 +217,8 @@ def _cfg_ipdom(instrs, labels):
             out.append(start_of[labels[last.operands[0].name]])
             if last.guard is not None and e < n:
                 out.append(start_of[e])
+        elif op == "trap" and last.guard is None:
+            pass  # aborts the launch: no successor, so it constrains no reconvergence point
         elif op in ("ret", "exit", "trap"):
             if last.guard is not None and e < n:
                 out.append(start_of[e])
@@ -235,7 +237,9 @@ def _cfg_ipdom(instrs, labels):
         changed = False
         for b in order:
             ss = [EXITB if x == -1 else x for x in succ[b]]
-            new = set.intersection(*(pdom[x] for x in ss)) | {b} if ss else {b, EXITB}
+            if not ss:
+                continue  # a trap block: post-dominated by everything (it never reaches the exit)
+            new = set.intersection(*(pdom[x] for x in ss)) | {b}
             if new != pdom[b]:
                 pdom[b] = new
                 changed = True
