@@ -11,20 +11,19 @@ Two models are offered:
     and the result is rounded once to float32 (round to nearest even). Each product of two bf16 or
     f16 values is exact in float64, so this is (nearly always) the correctly rounded result. It is
     NOT what the tensor cores compute, which truncate every term below 2**(e_max - F) and round
-    toward zero (see "exact"). On same-sign inputs the two modes differ by at most 1 ulp (in about
-    half of the outputs). With mixed signs, cancellation turns the hardware's truncation error
-    (below 18 * 2**(e_max - F) in absolute terms, e_max being the largest term's exponent) into
-    many ulps of a small result: on standard-normal inputs about 31% (bf16) / 42% (f16) of the
-    outputs differ, and 0.4% / 1.6% by more than 2 ulp. Use "fast" where a test tolerates a few
-    ulp; use "exact" to reproduce the hardware's bits.
+    toward zero (see "exact"). On same-sign inputs the two modes differ by at most 1 ulp on
+    sm_90/sm_100/sm_120 (in about half of the outputs; up to 3 ulp on sm_8x). With mixed signs,
+    cancellation turns the hardware's truncation error (below 18 * 2**(e_max - F) in absolute terms,
+    e_max being the largest term's exponent) into many ulps of a small result: on standard-normal
+    inputs about 31% (bf16) / 42% (f16) of the outputs differ, and 0.4% / 1.6% by more than 2 ulp.
+    Use "fast" where a test tolerates a few ulp; use "exact" to reproduce the hardware's bits.
 
 ``mode="exact"``
-    A model of the tensor core's fused dot-product-add as the MMA-Sim project describes it for
-    these instructions (arXiv:2511.10909, "MMA-Sim: Bit-Accurate Reference Model of Tensor Cores
-    and Matrix Cores"). For every output element, the 16 products a_k * b_k and the addend c form
-    17 terms, each written as a significand s (1 <= |s| < 4 for a product of two normal inputs)
-    times 2**e, where a product's exponent is the SUM of its factors' exponents (so 1.5 * 1.5 has
-    s = 2.25, e = 0). Then:
+    A model of the tensor core's fused dot-product-add as MMA-Sim (Microsoft's bit-accurate model of
+    tensor cores, PyPI package ``mmasim``) describes it for these instructions. For every output
+    element, the 16 products a_k * b_k and the addend c form 17 terms, each written as a significand
+    s (1 <= |s| < 4 for a product of two normal inputs) times 2**e, where a product's exponent is
+    the SUM of its factors' exponents (so 1.5 * 1.5 has s = 2.25, e = 0). Then:
 
     1. exponents: a subnormal factor uses the smallest normal exponent of its type (bf16: -126,
        f16: -14; the addend, an fp32 value: -126); a term that is zero (a zero product, or c ==
@@ -39,7 +38,7 @@ Two models are offered:
     5. special values: a NaN input, inf * 0, or +inf and -inf among the terms give NaN, returned as
        the canonical 0x7FFFFFFF; otherwise an infinite input gives an infinity of its sign.
 
-    On sm_90, sm_100 and sm_120 the whole K = 16 is one such fused block. On sm_8x the hardware
+    On sm_90, sm_100 and sm_120 the whole K = 16 is one such fused block. On sm_8x the model
     fuses 8 products at a time: the first 8 products and C give an intermediate float32 value (as
     above), which is the addend of the second block of 8.
 
@@ -49,7 +48,8 @@ Two models are offered:
     vectorised over the batch and needs neither torch nor mmasim. MMA-Sim in turn states that its
     model matches the hardware bit for bit; that claim is MMA-Sim's.
 
-Both modes take about the same arguments and return a new float32 array of shape (N, 16, 8).
+Speed (NumPy, one core): N = 512 operations take about 0.5-2.5 ms in "fast" mode and 25 ms in
+"exact" mode; a single operation about 0.1-0.2 ms and 0.5 ms.
 """
 from __future__ import annotations
 
@@ -276,5 +276,6 @@ def mma_m16n8k16(
         return _fast(a, b, c)
     d = c
     for k0 in range(0, K, params.block):
-        d = _fused_block(a[:, :, k0 : k0 + params.block], b[:, k0 : k0 + params.block, :], d, in_dtype, params)
+        k1 = k0 + params.block
+        d = _fused_block(a[:, :, k0:k1], b[:, k0:k1, :], d, in_dtype, params)
     return d
