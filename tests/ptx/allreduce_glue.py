@@ -1,0 +1,303 @@
+"""The IPC allreduce (csrc/allreduce/fused_allreduce.cu) on several simulated GPUs.
+
+`SimRanks` plays the host side of every rank of one communicator on one tools/ptxsim Machine:
+it allocates each rank's IPC buffer once (the kernel file's make_layout, sized from max_tokens /
+hidden as spec_kernels/comm/ipc.py sizes it), initialises it as init_buffer() does (zeros over
+the signals, then the compiled fill_kernel writing the -0.0 sentinel pairs over the push
+slots), and gives every rank the same list of buffer addresses (the peers' "IPC mappings": the
+simulated GPUs share one global memory). `SimRanks.call()` is one collective call: per rank it
+fills the kernel's `Params` struct exactly as launch() does from the `Call` that csrc/ops.cpp
+builds, picks the kernel instance launch_typed() picks (element type, fp8 out, ITEMS from
+row_launch), and runs the launches of all participating ranks together in ONE Machine.run, so
+the flag and sentinel spin-waits of one rank see the other ranks' stores. It returns each
+rank's outputs and its host error word.
+
+The buffers persist across calls, so consecutive calls exercise the device sequence numbers,
+the flag / staging parity and the push-slot rotation exactly as on the GPU. Ranks can be left
+out of a call (a rank that never arrives) or given different shapes (a size mismatch).
+"""
+from __future__ import annotations
+
+import ctypes
+import dataclasses
+import os
+from typing import Optional, Sequence
+
+import numpy as np
+import torch
+
+from tools.ptxsim.build import cuda_ptx
+from tools.ptxsim.executor import Launch, Machine
+from tools.ptxsim.launch import module_of, pack_params
+
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+ARCH = os.environ.get("PTXSIM_ARCH", "sm_120a")
+
+# csrc/include/spec_kernels/norm_allreduce.h and csrc/allreduce/fused_allreduce.cu
+K_MAX_RANKS = 8
+K_MAX_BLOCKS = 128
+K_PUSH_SLOTS = 3
+K_ALIGN = 256
+ALGORITHMS = {"oneshot_push": 0, "oneshot_pull": 1, "twoshot": 2}
+_KERNEL = {0: "19oneshot_push_kernel", 1: "19oneshot_pull_kernel", 2: "14twoshot_kernel"}
+K_OK, K_TIMEOUT, K_SIZE_MISMATCH = 0, 1, 2
+SENTINEL_PAIR = 0x80008000
+PUSH_CAPACITY = 1 << 20  # spec_kernels/comm/ipc.py
+
+P = ctypes.c_uint64
+_u64 = ctypes.c_uint64
+
+
+class Layout(ctypes.Structure):
+    """struct Layout (fused_allreduce.cu)."""
+    _fields_ = [("staging", _u64 * 2), ("gather", _u64 * 2), ("push", _u64 * K_PUSH_SLOTS), ("total", _u64)]
+
+
+class Params(ctypes.Structure):
+    """struct Params (fused_allreduce.cu): what every kernel takes by value."""
+    _fields_ = [("bases", P * K_MAX_RANKS), ("layout", Layout), ("push_stride", _u64),
+                ("x", P), ("residual", P), ("weight", P), ("out", P), ("residual_out", P), ("host_error", P),
+                ("rows", ctypes.c_int), ("hidden", ctypes.c_int), ("world", ctypes.c_int), ("rank", ctypes.c_int),
+                ("algorithm", ctypes.c_int), ("header", ctypes.c_uint32), ("fused", ctypes.c_bool),
+                ("eps", ctypes.c_float), ("inv_scale", ctypes.c_float), ("timeout_ns", ctypes.c_uint64)]
+
+
+class ErrorWord(ctypes.Structure):
+    """struct ErrorWord (norm_allreduce.h): what a failed call leaves in host-mapped memory."""
+    _fields_ = [("code", ctypes.c_int32), ("seq", ctypes.c_uint32), ("rank", ctypes.c_int32),
+                ("peer", ctypes.c_int32), ("block", ctypes.c_int32), ("algorithm", ctypes.c_int32),
+                ("mine", ctypes.c_uint32), ("theirs", ctypes.c_uint32)]
+
+    def as_dict(self):
+        return {name: getattr(self, name) for name, _ in self._fields_}
+
+
+# struct Signals: flags[2][2][kMaxBlocks][kMaxRanks], push_headers[3][kMaxBlocks][kMaxRanks] (u64),
+# BlockState state[kMaxBlocks] (4 x u32), ErrorWord first_error.
+SIGNALS_BYTES = (2 * 2 * K_MAX_BLOCKS * K_MAX_RANKS + K_PUSH_SLOTS * K_MAX_BLOCKS * K_MAX_RANKS) * 8 \
+    + K_MAX_BLOCKS * 16 + ctypes.sizeof(ErrorWord)
+STATE_OFFSET = (2 * 2 * K_MAX_BLOCKS * K_MAX_RANKS + K_PUSH_SLOTS * K_MAX_BLOCKS * K_MAX_RANKS) * 8
+FIRST_ERROR_OFFSET = STATE_OFFSET + K_MAX_BLOCKS * 16
+
+
+def _align_up(v: int) -> int:
+    return (v + K_ALIGN - 1) // K_ALIGN * K_ALIGN
+
+
+def make_layout(world: int, max_bytes: int, push_bytes: int) -> Layout:
+    """make_layout() of the kernel file."""
+    lay = Layout()
+    off = _align_up(SIGNALS_BYTES)
+    msg = _align_up(max_bytes)
+    for i in range(2):
+        lay.staging[i] = off
+        off += msg
+    for i in range(2):
+        lay.gather[i] = off
+        off += msg
+    slot = _align_up(push_bytes) * world
+    for i in range(K_PUSH_SLOTS):
+        lay.push[i] = off
+        off += slot
+    lay.total = off
+    return lay
+
+
+def row_launch(nvec: int, max_items: int = 2):
+    """norm::row_launch (csrc/norm/rmsnorm_row.cuh): (threads, items)."""
+    items = 1
+    while items < max_items and nvec > items * 1024:
+        items *= 2
+    threads = (nvec + items - 1) // items
+    threads = (threads + 31) // 32 * 32
+    return min(threads, 1024), items
+
+
+def _np(t: torch.Tensor) -> np.ndarray:
+    t = t.detach().contiguous()
+    if t.dtype in (torch.bfloat16, torch.float16):
+        return t.view(torch.int16).numpy().view(np.uint16)
+    if t.dtype == torch.float8_e4m3fn:
+        return t.view(torch.uint8).numpy()
+    return t.numpy()
+
+
+def _from_np(a: np.ndarray, dtype: torch.dtype, shape) -> torch.Tensor:
+    t = torch.from_numpy(np.ascontiguousarray(a).copy())
+    if dtype in (torch.bfloat16, torch.float16):
+        return t.view(torch.int16).view(dtype).reshape(shape)
+    if dtype == torch.float8_e4m3fn:
+        return t.view(torch.uint8).view(dtype).reshape(shape)
+    return t.view(dtype).reshape(shape)
+
+
+@dataclasses.dataclass
+class RankInput:
+    """One rank's arguments of a call (residual / weight / out_scale: the fused epilogue)."""
+    x: torch.Tensor
+    residual: Optional[torch.Tensor] = None
+    weight: Optional[torch.Tensor] = None
+    eps: float = 1e-6
+    out_scale: Optional[float] = None
+
+
+@dataclasses.dataclass
+class RankResult:
+    out: torch.Tensor
+    residual_out: Optional[torch.Tensor]
+    error: dict
+    stats: object
+
+
+# A value no kernel writes: outputs start as this so a missing store shows.
+_POISON16 = 0x7E7E
+_POISON8 = 0x7E
+
+
+class SimRanks:
+    """One communicator of `world` simulated GPUs on one Machine (one IPC buffer per rank)."""
+
+    def __init__(self, world: int, hidden: int, dtype: torch.dtype, max_tokens: int, *, num_blocks: int = 2,
+                 timeout_ns: int = 200_000, spin_limit: int = 2_000_000, check_races: bool = True):
+        if dtype not in (torch.float16, torch.bfloat16):
+            raise ValueError(f"dtype must be float16 or bfloat16, got {dtype}")
+        self.world, self.hidden, self.dtype = world, hidden, dtype
+        self.num_blocks = num_blocks
+        self.timeout_ns = timeout_ns
+        row = hidden * 2
+        # spec_kernels/comm/ipc.py IpcBuffers
+        self.max_bytes = max_tokens * row
+        self.push_bytes = min(self.max_bytes, max(row, PUSH_CAPACITY // row * row))
+        self.layout = make_layout(world, self.max_bytes, self.push_bytes)
+        self.push_stride = _align_up(self.push_bytes)
+        self.m = Machine(check_races=check_races, spin_limit=spin_limit,
+                         arch="sm_120" if "120" in ARCH else "sm_90")
+        self.mod = module_of(cuda_ptx(os.path.join(REPO, "csrc", "allreduce", "fused_allreduce.cu"), ARCH))
+        self.bases = [self.m.alloc(self.layout.total, f"ipc_buffer_rank{r}") for r in range(world)]
+        self.errors = [self.m.alloc(ctypes.sizeof(ErrorWord), f"host_error_rank{r}") for r in range(world)]
+        self.launches = []
+        self._init_buffers()
+
+    # ---------------------------------------------------------------- set-up
+    def entry(self, algorithm: int, fp8_out: bool, items: int):
+        t = "13__nv_bfloat16" if self.dtype == torch.bfloat16 else "6__half"
+        out = "13__nv_fp8_e4m3" if fp8_out else "S3_"
+        suffix = f"{_KERNEL[algorithm]}I{t}{out}Li{items}EEEvNS1_6ParamsE"
+        names = [n for n in self.mod.entries if n.endswith(suffix)]
+        if len(names) != 1:
+            raise LookupError(f"no unique kernel instance *{suffix} in the PTX ({len(names)} found)")
+        return self.mod.entry(names[0])
+
+    def _init_buffers(self):
+        """init_buffer(): memset 0 over [0, push[0]) (the buffer starts zeroed here), then fill_kernel
+        with the sentinel over the push slots (a smaller grid than the host's <<<256, 256>>>: the
+        kernel's loop is grid-strided, so the result is the same)."""
+        names = [n for n in self.mod.entries if "11fill_kernelEPjmj" in n]
+        e = self.mod.entry(names[0])
+        words = (self.layout.total - self.layout.push[0]) // 4
+        launches = [Launch(e, (4,), (256,), pack_params(e, [b + self.layout.push[0], words, SENTINEL_PAIR]),
+                           name=f"fill_kernel rank {r}", gpu=r) for r, b in enumerate(self.bases)]
+        self.m.run(*launches, module=self.mod)
+
+    # ---------------------------------------------------------------- inspection
+    def block_state(self, rank: int):
+        """BlockState per block of `rank`: (seq, push_slot, last_push_rows) rows."""
+        a = self.m.download(self.bases[rank] + STATE_OFFSET, np.uint32, (K_MAX_BLOCKS, 4))
+        return a[: self.num_blocks, :3].copy()
+
+    def error_word(self, rank: int) -> dict:
+        raw = self.m.download(self.errors[rank], np.uint8, (ctypes.sizeof(ErrorWord),))
+        return ErrorWord.from_buffer_copy(raw.tobytes()).as_dict()
+
+    def push_slot_bytes(self, rank: int, slot: int) -> np.ndarray:
+        n = self.push_stride * self.world
+        return self.m.download(self.bases[rank] + self.layout.push[slot], np.uint32, (n // 4,))
+
+    # ---------------------------------------------------------------- one call
+    def params(self, algorithm: int, rank: int, inp: RankInput, ptrs: dict, timeout_ns: int) -> bytes:
+        """What launch() makes of the Call csrc/ops.cpp fills for this rank; refuses what launch()
+        and ops.cpp refuse (so a test cannot feed the kernel a call the host would not make)."""
+        x = inp.x
+        rows, hidden = x.shape
+        fused = inp.residual is not None
+        fp8 = fused and inp.out_scale is not None
+        nbytes = rows * hidden * x.element_size()
+        if hidden % 8 or hidden < 8 or hidden > 16384:
+            raise ValueError(f"hidden must be a multiple of 8 in [8, 16384], got {hidden}")
+        if nbytes > self.max_bytes or (algorithm == 0 and nbytes > self.push_bytes):
+            raise ValueError(f"{nbytes} bytes do not fit the buffers")
+        p = Params()
+        for r in range(K_MAX_RANKS):
+            p.bases[r] = self.bases[r] if r < self.world else 0
+        ctypes.memmove(ctypes.addressof(p.layout), ctypes.addressof(self.layout), ctypes.sizeof(Layout))
+        p.push_stride = self.push_stride
+        p.x, p.out = ptrs["x"], ptrs["out"]
+        p.residual, p.weight, p.residual_out = (ptrs["residual"], ptrs["weight"], ptrs["residual_out"]) if fused \
+            else (0, 0, 0)
+        p.host_error = self.errors[rank]
+        p.rows, p.hidden, p.world, p.rank, p.algorithm = rows, hidden, self.world, rank, algorithm
+        op = (2 if fp8 else 1) if fused else 0
+        p.header = (op << 28) | nbytes
+        p.fused = fused
+        p.eps = inp.eps
+        p.inv_scale = float(np.float32(1.0 / inp.out_scale)) if fp8 else 1.0
+        p.timeout_ns = timeout_ns
+        return bytes(p)
+
+    def call(self, algorithm, inputs: Sequence[Optional[RankInput]], *, timeout_ns: Optional[int] = None):
+        """One collective call. inputs[r] is rank r's arguments, or None for a rank that does not
+        take part (it never arrives). Returns a list (per rank) of RankResult or None."""
+        algo = ALGORITHMS[algorithm] if isinstance(algorithm, str) else int(algorithm)
+        if len(inputs) != self.world:
+            raise ValueError(f"{len(inputs)} inputs for {self.world} ranks")
+        timeout_ns = self.timeout_ns if timeout_ns is None else timeout_ns
+        launches, keep = [], []
+        for rank, inp in enumerate(inputs):
+            if inp is None:
+                continue
+            x = inp.x
+            if x.dtype != self.dtype or x.dim() != 2:
+                raise ValueError(f"x must be a 2-D {self.dtype} tensor")
+            fused = inp.residual is not None
+            fp8 = fused and inp.out_scale is not None
+            m = self.m
+            ptrs = {"x": m.upload(_np(x), f"x rank{rank}")}
+            out_dtype = torch.float8_e4m3fn if fp8 else self.dtype
+            if fp8:
+                ptrs["out"] = m.upload(np.full(x.numel(), _POISON8, np.uint8), f"out rank{rank}")
+            else:
+                ptrs["out"] = m.upload(np.full(x.numel(), _POISON16, np.uint16), f"out rank{rank}")
+            if fused:
+                ptrs["residual"] = m.upload(_np(inp.residual), f"residual rank{rank}")
+                ptrs["weight"] = m.upload(_np(inp.weight), f"weight rank{rank}")
+                ptrs["residual_out"] = m.upload(np.full(x.numel(), _POISON16, np.uint16), f"residual_out rank{rank}")
+            threads, items = row_launch(x.shape[1] // 8, 2)
+            e = self.entry(algo, fp8, items)
+            raw = self.params(algo, rank, inp, ptrs, timeout_ns)
+            launches.append(Launch(e, (self.num_blocks,), (threads,), pack_params(e, [raw]),
+                                   name=f"{algorithm} rank {rank}", gpu=rank))
+            keep.append((rank, x.shape, out_dtype, fused, ptrs))
+        stats = self.m.run(*launches, module=self.mod)
+        results: list = [None] * self.world
+        for (rank, shape, out_dtype, fused, ptrs), st in zip(keep, stats):
+            self.launches.append((algorithm, rank, st))
+            n = int(np.prod(shape))
+            if out_dtype == torch.float8_e4m3fn:
+                out = _from_np(self.m.download(ptrs["out"], np.uint8, (n,)), out_dtype, shape)
+            else:
+                out = _from_np(self.m.download(ptrs["out"], np.uint16, (n,)), out_dtype, shape)
+            res = _from_np(self.m.download(ptrs["residual_out"], np.uint16, (n,)), self.dtype, shape) if fused \
+                else None
+            results[rank] = RankResult(out, res, self.error_word(rank), st)
+        return results
+
+
+def check_params_match_ptx(sim: SimRanks) -> None:
+    """The ctypes Params is exactly the size of every kernel's .param struct."""
+    for name in sim.mod.entries:
+        if "fill_kernel" in name:
+            continue
+        e = sim.mod.entry(name)
+        if len(e.params) != 1 or e.params[0].size != ctypes.sizeof(Params):
+            raise AssertionError(f"{name}: .param of {[p.size for p in e.params]} bytes, ctypes Params "
+                                 f"{ctypes.sizeof(Params)}")

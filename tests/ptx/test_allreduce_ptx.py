@@ -1,0 +1,230 @@
+"""The compiled sm_120a allreduce kernels (csrc/allreduce/fused_allreduce.cu) on 2 and 4 simulated
+GPUs sharing their IPC buffers (tests/ptx/allreduce_glue.py), against the reference: the sum over
+ranks in rank order in fp32, rounded once, then spec_kernels.fused_add_rmsnorm(impl="reference").
+
+What these tests show, and what only tools/kernel_emulators/allreduce.py shows. Here the PTX that
+nvcc emits runs instruction by instruction, every CTA of every rank interleaved in one machine,
+with the host's exact parameter struct (its ctypes mirror is checked against the PTX .param size),
+buffer layout, init_buffer() sentinel fill and launch geometry: so the tests check the compiled
+code itself (address arithmetic into the Signals / staging / gather / push areas, the 16-byte
+vector paths, the -0.0 sentinel filter, the ITEMS=1/2 kernel instances, fp8 output, grid-stride
+loops with rows above and below the block count, bounds of every access) and the protocol logic
+under one sequentially consistent interleaving: flag words carry the right sequence number and
+header, staging / flag parity and the three push slots rotate over consecutive calls on the same
+buffers (stale data of the previous call would give a wrong sum), used push slots are re-armed
+with the sentinel, headers that differ between ranks give kSizeMismatch on every rank, a rank that
+never arrives makes the others report kTimeout through the %globaltimer deadline instead of
+hanging, and calls after a failure do nothing. The interpreter's memory is sequentially
+consistent and fences are only counted, so these tests cannot show that the kernel's fences,
+st.release / ld.acquire and volatile accesses are sufficient on real hardware (torn 16-byte push
+vectors, a flag landing before the data it publishes, stores landing out of order), and each
+call's launches start together, so no rank runs a whole call ahead of another; both are what the
+emulator's store-buffer model with randomised rank speeds explores.
+"""
+from __future__ import annotations
+
+import ctypes
+
+import pytest
+import torch
+
+import spec_kernels
+
+from allreduce_glue import (ALGORITHMS, K_SIZE_MISMATCH, K_TIMEOUT, SENTINEL_PAIR, ErrorWord, Params, RankInput,
+                             SimRanks, check_params_match_ptx)
+
+TOL = {torch.float16: dict(atol=2e-3, rtol=1e-3), torch.bfloat16: dict(atol=1.6e-2, rtol=8e-3)}
+FP8_TOL = dict(atol=2e-3, rtol=0.0625)  # one e4m3 step, after dequantising
+EPS = 1e-6
+OUT_SCALE = 0.02
+ALGOS = list(ALGORITHMS)
+NO_ERROR = {name: 0 for name, _ in ErrorWord._fields_}
+
+
+def _bits(t):
+    return t.view(torch.int16) if t.dtype in (torch.float16, torch.bfloat16) else t.view(torch.uint8)
+
+
+def _make(world, rows, hidden, dtype, mode, gen):
+    """Per-rank inputs for one call. mode: "sum" (plain allreduce), "fused" or "fp8". residual and
+    weight are the same on every rank (tensor parallelism). A few -0.0 entries on every rank: the
+    push path must not mistake them for its sentinel."""
+    xs = [torch.randn(rows, hidden, generator=gen).to(dtype) for _ in range(world)]
+    if rows:
+        for x in xs:
+            x[0, :3] = -0.0
+    residual = torch.randn(rows, hidden, generator=gen).to(dtype)
+    weight = (1 + 0.1 * torch.randn(hidden, generator=gen)).to(dtype)
+    if mode == "sum":
+        return [RankInput(x) for x in xs]
+    scale = OUT_SCALE if mode == "fp8" else None
+    return [RankInput(x, residual.clone(), weight.clone(), EPS, scale) for x in xs]
+
+
+def _check(results, inputs, dtype):
+    """Every rank's outputs against the reference; all ranks bit-identical; no error reported."""
+    summed = sum(inp.x.float() for inp in inputs).to(dtype)  # rank order, fp32, rounded once
+    first = inputs[0]
+    for rank, res in enumerate(results):
+        assert res.error == NO_ERROR, f"rank {rank} reported {res.error}"
+        if first.residual is None:
+            assert torch.equal(_bits(res.out), _bits(summed)), f"rank {rank}: sum differs from the reference"
+            continue
+        want_out, want_res = spec_kernels.fused_add_rmsnorm(summed, first.residual, first.weight, EPS,
+                                                            impl="reference", out_scale=first.out_scale)
+        assert torch.equal(_bits(res.residual_out), _bits(want_res)), f"rank {rank}: residual_out"
+        if first.out_scale is None:
+            torch.testing.assert_close(res.out, want_out, **TOL[dtype])
+        else:
+            torch.testing.assert_close(res.out.float() * OUT_SCALE, want_out.float() * OUT_SCALE, **FP8_TOL)
+        assert torch.equal(_bits(res.out), _bits(results[0].out)), f"rank {rank}: out differs from rank 0's"
+        assert torch.equal(_bits(res.residual_out), _bits(results[0].residual_out))
+
+
+def _check_push_rearmed(sim, slot):
+    """After a push call, the slot of the push call before it holds only the sentinel again."""
+    for rank in range(sim.world):
+        words = sim.push_slot_bytes(rank, slot)
+        assert (words == SENTINEL_PAIR).all(), f"rank {rank}: push slot {slot} not re-armed"
+
+
+def test_params_struct_matches_ptx():
+    sim = SimRanks(2, 64, torch.float16, max_tokens=1)
+    assert ctypes.sizeof(Params) == 232
+    check_params_match_ptx(sim)
+    # every kernel instance launch_typed() can pick exists in the PTX
+    for algo in ALGORITHMS.values():
+        for fp8 in (False, True):
+            for items in (1, 2):
+                assert sim.entry(algo, fp8, items) is not None
+
+
+# (rows, mode) of consecutive calls on the same buffers, hidden fixed per communicator as
+# FusedAllReduce fixes it. hidden 264: 33 vectors, two warps with a 1-vector tail; 72: 9 vectors,
+# one warp with a tail. Rows 5 > num_blocks (grid-stride loop), 1 < num_blocks (an idle block that
+# still meets its peers).
+CALLS = {2: (264, [(5, "sum"), (3, "fused"), (1, "fp8")]),
+         4: (72, [(5, "fused"), (1, "fp8"), (3, "sum")])}
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
+@pytest.mark.parametrize("world", [2, 4])
+@pytest.mark.parametrize("algorithm", ALGOS)
+def test_consecutive_calls_match_reference(algorithm, world, dtype):
+    gen = torch.Generator().manual_seed(1000 * world + 10 * ALGORITHMS[algorithm] + (dtype == torch.bfloat16))
+    hidden, calls = CALLS[world]
+    sim = SimRanks(world, hidden, dtype, max_tokens=5, num_blocks=2)
+    for n, (rows, mode) in enumerate(calls, start=1):
+        inputs = _make(world, rows, hidden, dtype, mode, gen)
+        _check(sim.call(algorithm, inputs), inputs, dtype)
+        for rank in range(world):
+            state = sim.block_state(rank)
+            assert (state[:, 0] == n).all(), f"rank {rank}: device call counter {state[:, 0]} after call {n}"
+            if algorithm == "oneshot_push":
+                assert (state[:, 1] == n % 3).all() and (state[:, 2] == rows).all()
+        if algorithm == "oneshot_push" and n >= 2:
+            _check_push_rearmed(sim, (n - 1) % 3)
+
+
+def test_mixed_algorithms_share_counters():
+    """The algorithms share the device call counter (flag / staging parity); only push calls move
+    the push slot. Empty calls (0 rows) still count."""
+    dtype, world = torch.float16, 2
+    gen = torch.Generator().manual_seed(7)
+    sim = SimRanks(world, 64, dtype, max_tokens=6, num_blocks=2)
+    seq = [("oneshot_push", 5), ("oneshot_pull", 3), ("oneshot_push", 0), ("twoshot", 6), ("oneshot_push", 2),
+           ("oneshot_push", 6), ("twoshot", 0), ("oneshot_pull", 4), ("oneshot_push", 1)]
+    pushes = 0
+    for n, (algorithm, rows) in enumerate(seq, start=1):
+        inputs = _make(world, rows, 64, dtype, "sum", gen)
+        _check(sim.call(algorithm, inputs), inputs, dtype)
+        pushes += algorithm == "oneshot_push"
+        for rank in range(world):
+            state = sim.block_state(rank)
+            assert (state[:, 0] == n).all() and (state[:, 1] == pushes % 3).all()
+
+
+@pytest.mark.parametrize("algorithm", ALGOS)
+def test_two_items_per_thread(algorithm):
+    """hidden 8200: 1025 vectors, the ITEMS=2 kernel instance (513 threads -> 544)."""
+    dtype, world = torch.bfloat16, 2
+    gen = torch.Generator().manual_seed(11 + ALGORITHMS[algorithm])
+    sim = SimRanks(world, 8200, dtype, max_tokens=1, num_blocks=1)
+    inputs = _make(world, 1, 8200, dtype, "fused", gen)
+    _check(sim.call(algorithm, inputs), inputs, dtype)
+
+
+def _assert_failed_and_inert(sim, algorithm, inputs, words, gen):
+    """A call after a failure does nothing on the failed ranks: no output, no counter change, the
+    first error word kept."""
+    before = [sim.block_state(r) for r in range(sim.world)]
+    again = [None if inp is None else RankInput(torch.randn(inp.x.shape, generator=gen).to(inp.x.dtype))
+             for inp in inputs]
+    results = sim.call(algorithm, again)
+    for rank, res in enumerate(results):
+        if res is None:
+            continue
+        assert res.error == words[rank], f"rank {rank}: the error word changed to {res.error}"
+        assert (_bits(res.out) == 0x7E7E).all(), f"rank {rank}: a call after a failure wrote its output"
+        assert (sim.block_state(rank) == before[rank]).all()
+
+
+@pytest.mark.parametrize("algorithm", ALGOS)
+def test_size_mismatch_is_reported_on_every_rank(algorithm):
+    dtype, world, hidden = torch.float16, 2, 64
+    gen = torch.Generator().manual_seed(21)
+    sim = SimRanks(world, hidden, dtype, max_tokens=6, num_blocks=2)
+    inputs = [RankInput(torch.randn(5, hidden, generator=gen).to(dtype)),
+              RankInput(torch.randn(4, hidden, generator=gen).to(dtype))]
+    results = sim.call(algorithm, inputs)
+    headers = [5 * hidden * 2, 4 * hidden * 2]
+    words = []
+    for rank, res in enumerate(results):
+        e = res.error
+        assert (e["code"], e["seq"], e["rank"], e["peer"], e["algorithm"]) == \
+            (K_SIZE_MISMATCH, 1, rank, 1 - rank, ALGORITHMS[algorithm]), e
+        assert (e["mine"], e["theirs"]) == (headers[rank], headers[1 - rank]), e
+        assert 0 <= e["block"] < 2
+        words.append(e)
+    _assert_failed_and_inert(sim, algorithm, [RankInput(torch.zeros(5, hidden, dtype=dtype))] * 2, words, gen)
+
+
+def test_operation_mismatch_on_four_ranks():
+    """Rank 2 calls the fused operation, the others the plain allreduce of the same bytes: the op
+    field of the header differs, every rank reports it."""
+    dtype, world, hidden, rows = torch.bfloat16, 4, 64, 3
+    gen = torch.Generator().manual_seed(31)
+    sim = SimRanks(world, hidden, dtype, max_tokens=4, num_blocks=2)
+    inputs = _make(world, rows, hidden, dtype, "sum", gen)
+    fused = _make(world, rows, hidden, dtype, "fused", gen)[2]
+    inputs[2] = fused
+    results = sim.call("oneshot_pull", inputs)
+    plain, op1 = rows * hidden * 2, (1 << 28) | rows * hidden * 2
+    for rank, res in enumerate(results):
+        e = res.error
+        assert e["code"] == K_SIZE_MISMATCH and e["rank"] == rank and e["seq"] == 1, e
+        if rank == 2:
+            assert e["mine"] == op1 and e["theirs"] == plain and e["peer"] != 2, e
+        else:
+            assert e["mine"] == plain and e["theirs"] == op1 and e["peer"] == 2, e
+
+
+@pytest.mark.parametrize("world,algorithm,timeout_ns", [(2, "oneshot_push", 1), (2, "oneshot_pull", 1),
+                                                        (2, "twoshot", 1), (4, "twoshot", 3000)])
+def test_missing_rank_times_out(world, algorithm, timeout_ns):
+    """The last rank never arrives: the others give up after timeout_ns of %globaltimer (the
+    interpreter's clock: 1 ns per warp-instruction) and report it instead of hanging."""
+    dtype, hidden = torch.float16, 64
+    gen = torch.Generator().manual_seed(41)
+    sim = SimRanks(world, hidden, dtype, max_tokens=4, num_blocks=2, timeout_ns=timeout_ns)
+    inputs = _make(world, 3, hidden, dtype, "sum", gen)
+    inputs[-1] = None
+    results = sim.call(algorithm, inputs)
+    words = [None] * world
+    for rank, res in enumerate(results[:-1]):
+        e = res.error
+        assert (e["code"], e["seq"], e["rank"], e["peer"], e["algorithm"], e["mine"], e["theirs"]) == \
+            (K_TIMEOUT, 1, rank, world - 1, ALGORITHMS[algorithm], 3 * hidden * 2, 0), e
+        assert (_bits(res.out) == 0x7E7E).all(), f"rank {rank} wrote output without its peer"
+        words[rank] = e
+    _assert_failed_and_inert(sim, algorithm, inputs, words, gen)
