@@ -173,8 +173,11 @@ class SharedMemory:
         dup = fs[1:] == fs[:-1]
         return bool(np.all(ds[1:][dup] == ds[:-1][dup]))
 
-    def access(self, threads, base_idx, width, write, what, data=None, lanes_write_same_ok=False):
-        """Check and perform a shared access; returns bytes (n, width) for reads."""
+    def access(self, threads, base_idx, width, write, what, data=None, lanes_write_same_ok=False,
+               check=True, perform=True):
+        """Check and perform a shared access; returns bytes (n, width) for reads. check=False
+        performs without the race checks (a cp.async landing, checked when it was issued);
+        perform=False only checks (a cp.async issue: it may write any time until its wait)."""
         idx = base_idx[:, None] + np.arange(width)
         tid = np.broadcast_to(threads[:, None], idx.shape)
         flat, ft = idx.ravel(), tid.ravel()
@@ -182,7 +185,7 @@ class SharedMemory:
             i = np.nonzero(self.pending[flat])[0][0]
             raise Hazard(f"shared {what} by thread {int(ft[i]) % self.tpc} touches byte {int(flat[i]) % self.size} "
                          f"that a cp.async has not completed (missing cp.async.wait_group / barrier)")
-        if self.check_races:
+        if self.check_races and check:
             cta = ft // self.tpc
             if not write:
                 if not np.all(self.written[flat]):
@@ -210,6 +213,8 @@ class SharedMemory:
                         b = int(u[np.nonzero(c > 1)[0][0]])
                         raise Hazard(f"shared-memory race: several threads write byte {b % self.size} "
                                      f"of CTA {b // self.size} in one {what}")
+                if not perform:
+                    return None
                 self.w_tid[flat] = ft
                 self.w_epoch[flat] = self.cta_epoch[cta]
                 self.w_wepoch[flat] = self.warp_epoch[self._gwarp(ft)]
@@ -219,6 +224,13 @@ class SharedMemory:
                 self.r_epoch[flat] = self.cta_epoch[cta]
                 self.r_wepoch[flat] = self.warp_epoch[self._gwarp(ft)]
         if write:
+            if not perform:
+                return None
+            if self.check_races and not check:   # a landing cp.async: its thread wrote the bytes now
+                self.w_tid[flat] = ft
+                self.w_epoch[flat] = self.cta_epoch[ft // self.tpc]
+                self.w_wepoch[flat] = self.warp_epoch[self._gwarp(ft)]
+                self.r_tid[flat] = -1
             self.data[idx] = data
             self.written[flat] = True
             return None

@@ -26,6 +26,12 @@ def _signed(t):
     return t.startswith("s")
 
 
+class _UncheckedParts:
+    @staticmethod
+    def _check_def(r, name, sel, ins):
+        return None
+
+
 class Ctx:
     """Operand access for one launch."""
 
@@ -99,7 +105,10 @@ class Ctx:
             val = np.array(addr & ((1 << (8 * size)) - 1), _UNS[size]).view(npt)[()]
             return lambda sel, tids: val
         if op.kind == "vec":    # packing {a, b} into one wider value (mov.b32 %r, {%rs1, %rs2})
-            parts = [self.rd(o, f"b{8 * size // len(op.items)}") for o in op.items]
+            # Parts are not checked for definedness: LLVM packs an undef half (Triton's f32x2 code:
+            # mov.b64 %rd, {%r_lo, %r_never_written}; only the low half is unpacked again).
+            raw = Ctx(_UncheckedParts, self.r, self.ins)
+            parts = [raw.rd(o, f"b{8 * size // len(op.items)}") for o in op.items]
             w = 8 * size // len(op.items)
 
             def f(sel, tids):
@@ -1241,6 +1250,8 @@ def h_cp(c, parts, ops, pc):
         r.stats.bank_conflicts[c.ins.opcode] += r.smem.count_banks(tids, idx, size)
         if np.any(r.smem.pending[idx[:, None] + np.arange(size)]):
             raise ex.Hazard("cp.async into shared bytes that an earlier cp.async still has pending")
+        # the copy may land any time from now on: it races with unordered reads/writes of others now
+        r.smem.access(tids, idx, size, True, "cp.async", perform=False)
         data = np.zeros((tids.size, size), np.uint8)
         for k in np.unique(ss):
             if k == 0:
@@ -1269,7 +1280,7 @@ def _cp_complete(r, tids, n):
         if done.any():
             w = np.arange(data.shape[1])
             sm.pending[idx[done][:, None] + w] = False
-            sm.access(ts[done], idx[done], data.shape[1], True, "cp.async completion", data[done])
+            sm.access(ts[done], idx[done], data.shape[1], True, "cp.async completion", data[done], check=False)
         if (~done).any():
             keep.append((ts[~done], grp[~done], idx[~done], data[~done]))
     r.cp_pending = keep

@@ -1,0 +1,80 @@
+"""Deliberate bugs in the kernel sources must make the PTX tests fail.
+
+Each mutant is a one-expression edit of a .cu file (the text must occur exactly once, so a
+refactor that moves it fails here loudly instead of testing nothing). The edited source is
+compiled to sm_120a PTX and run on one small case by the interpreter; the mutant is caught by a
+mismatch with the reference, a shared-memory race / cp.async hazard, an out-of-bounds access or a
+trap. Other kernels' mutants live next to their own PTX tests.
+"""
+import os
+import sys
+
+import pytest
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from tree_cases import make_case  # noqa: E402
+
+from cuda_glue import REPO, PtxCudaOps  # noqa: E402
+from tools.ptxsim.memory import SimError  # noqa: E402
+import test_tree_verify_ptx as tv  # noqa: E402
+
+TV = "tree_verify/tree_verify_attention.cu"
+
+# name: (file, what, old text, new text)
+MUTANTS = {
+    "v_not_transposed": (TV, "V read with ldmatrix without .trans",
+                         "ldmatrix_x4_trans(b, smem_addr(v_s", "ldmatrix_x4(b, smem_addr(v_s"),
+    "v_rows_from_lane16": (TV, "V ldmatrix: key row block from lane / 16 instead of lane / 8 % 2",
+                           "v_s + swizzled<kChunks>(key0 + j * 8 + (lane / 8 % 2) * 8 + lane % 8,",
+                           "v_s + swizzled<kChunks>(key0 + j * 8 + (lane / 16) * 8 + lane % 8,"),
+    "k_chunk_from_lane16": (TV, "K ldmatrix: k chunk from lane / 16 instead of lane / 8 % 2",
+                            "kk * 2 + lane / 8 % 2)));", "kk * 2 + lane / 16)));"),
+    "p_fragment_order": (TV, "P as A fragment: registers a1 and a2 swapped",
+                         "pack2<T>(s[j][2], s[j][3]),\n                         pack2<T>(s[j + 1][0], s[j + 1][1])",
+                         "pack2<T>(s[j + 1][0], s[j + 1][1]),\n                         pack2<T>(s[j][2], s[j][3])"),
+    "prefetch_into_current_stage": (TV, "the prefetch of tile t+1 goes to stage t & 1",
+                                    "load_tile(t + 1, (t + 1) & 1);", "load_tile(t + 1, t & 1);"),
+    "wait_group_2": (TV, "cp.async.wait_group 2 instead of 1", "cp_async_wait<1>();", "cp_async_wait<2>();"),
+    "no_loop_top_sync": (TV, "no __syncthreads after the wait",
+                         "      cp_async_wait<0>();\n    }\n    __syncthreads();", "      cp_async_wait<0>();\n    }\n"),
+    "no_loop_end_sync": (TV, "no __syncthreads at the end of the tile loop",
+                         "    __syncthreads();  // the stage is refilled", "    // the stage is refilled"),
+    "no_merge_entry_sync": (TV, "no __syncthreads before the warps_n merge reuses the tiles' memory",
+                            "    __syncthreads();  // Q/K/V tiles are dead", "    // Q/K/V tiles are dead"),
+    "tail_mask_off_by_one": (TV, "tail mask bit pos - prefix_len + 1",
+                             "min(pos - prefix_len, 63)", "min(pos - prefix_len + 1, 63)"),
+}
+
+
+def patched(path, old, new):
+    with open(os.path.join(REPO, "csrc", path), encoding="utf-8") as f:
+        text = f.read()
+    assert text.count(old) == 1, f"mutant text found {text.count(old)} times in {path}: {old!r}"
+    return text.replace(old, new)
+
+
+def run_tree_verify(ops):
+    # 3+ KV tiles per split (prefetch into a stage read before), a tree tail, 4 query heads per KV head (warps_n > 1
+    # so the merge runs), forced 2 splits (the combine)
+    # so the merge runs), forced 2 splits (the combine); the third request has no prefix, so its
+    # first split has no tile at all and goes from the Q load straight to the merge
+    case = make_case([6, 3, 2], [200, 20, 0], hq=4, hkv=1, d=64, dtype=torch.bfloat16, kind="random", seed=11)
+    out, lse = tv.run_ptx(case, ops, splits=2)
+    ref, ref_lse = tv.reference(case)
+    torch.testing.assert_close(out.float(), ref.float(), atol=2e-2, rtol=2e-2, equal_nan=True)
+    torch.testing.assert_close(lse, ref_lse.float(), atol=1e-4, rtol=1e-4, equal_nan=True)
+
+
+def test_unmutated_case_passes():
+    run_tree_verify(PtxCudaOps())
+
+
+@pytest.mark.parametrize("name", sorted(MUTANTS))
+def test_mutant_is_caught(name):
+    path, what, old, new = MUTANTS[name]
+    ops = PtxCudaOps(patched={path: patched(path, old, new)})
+    with pytest.raises((AssertionError, SimError)) as info:
+        run_tree_verify(ops)
+    print(f"{name} ({what}) caught: {str(info.value).splitlines()[0][:200]}")
