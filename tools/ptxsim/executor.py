@@ -69,7 +69,8 @@ def f32_to_bf16(x):
 
 
 def f32_to_f16(x):
-    return np.asarray(x, np.float32).astype(np.float16).view(np.uint16)
+    with np.errstate(over="ignore"):
+        return np.asarray(x, np.float32).astype(np.float16).view(np.uint16)
 
 
 def f16_to_f32(bits):
@@ -320,13 +321,16 @@ class _Run:
         self.R = {}
         self.defined = {}
         self.stats = Stats()
-        self.ipdom, self.leaders = _cfg_ipdom(e.instrs, e.labels)
+        cfg = e.__dict__.get("_cfg")  # per entry (the parse is cached): the analysis takes seconds on big kernels
+        if cfg is None:
+            cfg = e.__dict__["_cfg"] = _cfg_ipdom(e.instrs, e.labels)
+        self.ipdom, self.leaders = cfg
         self.backward = {}
         self.cp_pending = []          # records of in-flight cp.async
         self.cp_group = np.zeros(self.N, np.int64)
         self.bar_vals = np.zeros(self.N, bool)
         self.load_depth = {}          # register -> per-thread depth of dependent global loads
-        self.prog = [self.m.decode(self, ins, i) for i, ins in enumerate(e.instrs)]
+        self.prog = [None] * len(e.instrs)  # decoded on first execution (big kernels run a fraction)
         g = Group(self, t.copy(), [Frame(0, EXIT, np.ones(self.N, bool))])
         self.groups = [g]
         self.done = False
@@ -568,10 +572,13 @@ class Machine:
                 nw = np.unique(r.warp_of[tids]).size if tids.size else 0
             count += max(nw, 1)
             st.thread_instr += tids.size
-            kind, fn = prog[pc]
             st.warp_instr[_klass(ins.opcode)] += nw
             self.clock_ns += 1
             try:
+                dec = prog[pc]
+                if dec is None:
+                    dec = prog[pc] = self.decode(r, ins, pc)
+                kind, fn = dec
                 if kind == "op":
                     if tids.size:
                         fn(sel, tids)
