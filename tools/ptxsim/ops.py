@@ -246,7 +246,8 @@ def _cvt(parts, a, dt, at):
             if at == "f64" or at not in FLOATS:
                 raise SimError("cvt to bf16 from a non-f32 source is not modelled")
             return ex.f32_to_bf16(x)
-        return np.asarray(x).astype(np.float16).view(np.uint16)
+        with np.errstate(over="ignore"):
+            return np.asarray(x).astype(np.float16).view(np.uint16)
     if dt in ("f32", "f64"):
         if at in FLOATS:
             v = a.astype(np.float64)
@@ -709,6 +710,29 @@ def h_popc(c, parts, ops, pc):
         a = _bcast(fa(sel, tids), tids).view(_UNS[_tsize(typ)])
         bits = np.unpackbits(a.astype(np.dtype(a.dtype).newbyteorder("<")).view(np.uint8).reshape(a.size, -1), axis=1)
         dst(sel, tids, bits.sum(axis=1).astype(np.uint32))
+    return _op(f)
+
+
+def h_clz(c, parts, ops, pc):
+    typ = _type_of(parts)
+    w = 8 * _tsize(typ)
+    fa, dst = c.rd(ops[1], typ), c.wr(ops[0], "u32")
+
+    def f(sel, tids):
+        a = _bcast(fa(sel, tids), tids).astype(np.uint64)
+        dst(sel, tids, np.array([w - int(x).bit_length() for x in a], np.uint32))
+    return _op(f)
+
+
+def h_brev(c, parts, ops, pc):
+    typ = _type_of(parts)
+    w = 8 * _tsize(typ)
+    fa, dst = c.rd(ops[1], typ), c.wr(ops[0], typ)
+
+    def f(sel, tids):
+        a = _bcast(fa(sel, tids), tids)
+        dst(sel, tids, np.array([int(f"{int(x):0{w}b}"[::-1], 2) for x in a.astype(np.uint64)],
+                                np.uint64).astype(_NP[typ]))
     return _op(f)
 
 
@@ -1414,7 +1438,7 @@ _HANDLERS = {
     "sub": _arith(lambda a, b, m, t: a - b, lambda a, b, m, t: a - b),
     "mul": h_mul, "mad": h_mad, "fma": _arith(None, _fma), "div": h_div, "rem": h_rem,
     "and": h_logic("and"), "or": h_logic("or"), "xor": h_logic("xor"), "not": h_logic("not"),
-    "shl": _arith(_shl), "shr": _arith(_shr), "shf": h_shf, "bfe": h_bfe, "prmt": h_prmt, "popc": h_popc,
+    "shl": _arith(_shl), "shr": _arith(_shr), "shf": h_shf, "bfe": h_bfe, "prmt": h_prmt, "popc": h_popc, "clz": h_clz, "brev": h_brev,
     "neg": h_neg, "abs": h_abs, "min": h_minmax("min"), "max": h_minmax("max"),
     "setp": h_setp, "selp": h_selp, "cvt": h_cvt, "cvta": h_cvta,
     "ex2": h_float1(_ex2, True), "rsqrt": h_float1(_rsqrt, True), "rcp": h_float1(_rcp, True),

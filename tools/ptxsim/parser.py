@@ -100,6 +100,8 @@ class Module:
 
     def entry(self, pattern: str) -> Entry:
         """The one entry whose (mangled) name contains every '*'-separated piece of `pattern`."""
+        if pattern in self.entries:
+            return self.entries[pattern]
         pieces = [p for p in pattern.split("*") if p]
         hits = [e for n, e in self.entries.items() if all(p in n for p in pieces)]
         if len(hits) != 1:
