@@ -32,6 +32,7 @@ from tools.ptxsim.launch import module_of, pack_params
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 ARCH = os.environ.get("PTXSIM_ARCH", "sm_120a")
+KERNEL_FILE = os.path.join(REPO, "csrc", "allreduce", "fused_allreduce.cu")
 
 # csrc/include/spec_kernels/norm_allreduce.h and csrc/allreduce/fused_allreduce.cu
 K_MAX_RANKS = 8
@@ -158,7 +159,8 @@ class SimRanks:
     """One communicator of `world` simulated GPUs on one Machine (one IPC buffer per rank)."""
 
     def __init__(self, world: int, hidden: int, dtype: torch.dtype, max_tokens: int, *, num_blocks: int = 2,
-                 timeout_ns: int = 200_000, spin_limit: int = 2_000_000, check_races: bool = True):
+                 timeout_ns: int = 200_000, spin_limit: int = 2_000_000, check_races: bool = True,
+                 ptx: Optional[str] = None):
         if dtype not in (torch.float16, torch.bfloat16):
             raise ValueError(f"dtype must be float16 or bfloat16, got {dtype}")
         self.world, self.hidden, self.dtype = world, hidden, dtype
@@ -172,7 +174,8 @@ class SimRanks:
         self.push_stride = _align_up(self.push_bytes)
         self.m = Machine(check_races=check_races, spin_limit=spin_limit,
                          arch="sm_120" if "120" in ARCH else "sm_90")
-        self.mod = module_of(cuda_ptx(os.path.join(REPO, "csrc", "allreduce", "fused_allreduce.cu"), ARCH))
+        # ptx: the PTX of an edited kernel file (a mutant or a candidate fix), default the checkout's
+        self.mod = module_of(ptx if ptx is not None else cuda_ptx(KERNEL_FILE, ARCH))
         self.bases = [self.m.alloc(self.layout.total, f"ipc_buffer_rank{r}") for r in range(world)]
         self.errors = [self.m.alloc(ctypes.sizeof(ErrorWord), f"host_error_rank{r}") for r in range(world)]
         self.launches = []

@@ -228,3 +228,37 @@ def test_missing_rank_times_out(world, algorithm, timeout_ns):
         assert (_bits(res.out) == 0x7E7E).all(), f"rank {rank} wrote output without its peer"
         words[rank] = e
     _assert_failed_and_inert(sim, algorithm, inputs, words, gen)
+
+
+# struct Signals: flags[2][2][128][8] (u64) come first, then push_headers[3][128][8].
+_PUSH_HEADERS = 2 * 2 * 128 * 8 * 8
+
+
+@pytest.mark.xfail(strict=True, reason="oneshot_push re-arms the previous push call's rows with the CURRENT "
+                   "call's row size (last_push_rows * rows of p.hidden): after a call with a smaller hidden, "
+                   "part of the older slot keeps its data, which a later call reads as fresh")
+def test_push_rearm_after_hidden_change():
+    """The push slot of call 1 (3 rows of hidden 264) is re-armed by call 2 (hidden 72) over only
+    3 x 144 bytes per sender, so bytes 432..1584 keep call 1's data. Call 4 uses that slot again
+    with call 1's shape. Rank 1 has sent its header and its row 0 so far (done here by hand: a
+    state the hardware reaches whenever rank 1's later stores are still in flight); rank 0 must
+    not take rows 1-2 of call 1 as rank 1's rows of call 4: it has to keep polling (and here,
+    where rank 1 never sends more, time out) instead of returning a sum with stale data."""
+    dtype, world = torch.float16, 2
+    gen = torch.Generator().manual_seed(51)
+    sim = SimRanks(world, 264, dtype, max_tokens=4, num_blocks=1, timeout_ns=1)
+    for rows, hidden in ((3, 264), (4, 72), (1, 72)):
+        inputs = _make(world, rows, hidden, dtype, "sum", gen)
+        _check(sim.call("oneshot_push", inputs), inputs, dtype)
+    x0, x1 = (torch.randn(3, 264, generator=gen).to(dtype) for _ in range(2))
+    seq, slot, nbytes = 4, 4 % 3, 3 * 264 * 2
+    header = torch.tensor([(seq << 32) | nbytes], dtype=torch.int64)
+    base0 = sim.bases[0]
+    sim.m.write(base0 + _PUSH_HEADERS + ((slot * 128 + 0) * 8 + 1) * 8, header.numpy())
+    row0 = x1[0].clone()
+    row0[row0.view(torch.int16) == -32768] = 0.0  # what the sender sends for -0.0
+    sim.m.write(base0 + sim.layout.push[slot] + 1 * sim.push_stride, row0.view(torch.int16).numpy())
+    res = sim.call("oneshot_push", [RankInput(x0), None])[0]
+    assert res.error["code"] == K_TIMEOUT and res.error["peer"] == 1, \
+        f"rank 0 finished call 4 without rank 1's rows 1-2 (error word {res.error})"
+    assert (_bits(res.out[1:]) == 0x7E7E).all()  # row 0 (complete from both ranks) may be done
