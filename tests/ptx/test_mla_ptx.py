@@ -1,0 +1,164 @@
+"""The compiled sm_120a PTX of the MLA tree-verify attention kernel (csrc/mla/mla_tree_verify_attention.cu,
+split-KV partials + combine) run through tools/ptxsim, against the PyTorch reference.
+
+The real Python binding (spec_kernels.mla.cuda: launch plan, split buffers) runs with its cuda_ops
+patched to tests/ptx/cuda_glue.PtxCudaOps, which fills MlaParams and sizes grid / block / shared
+memory like csrc/ops.cpp and the .cu launch(). Cases are tiny (one CTA handles up to 32 rows x 576
+dims, and the interpreter runs every thread): bf16 and fp16, tree verify and decode, empty
+prefixes, partial key tiles, mixed draft counts including 0, one and several KV splits, 16- and
+32-row CTAs, several row blocks per request, int32 and int64 slot ids, NaN in a cached row.
+"""
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from tools.ptxsim import build
+from tree_cases import ancestor_mask_bits, random_parents
+
+import spec_kernels.mla.cuda as mla_cuda
+from spec_kernels.mla import reference
+
+pytestmark = [
+    pytest.mark.skipif(build.find_nvcc() is None, reason="nvcc not found (set CUDA_HOME): the kernel's PTX cannot "
+                       "be produced"),
+    # The epilogue computes acc * (1 / l) before selecting 0 for rows that saw no key (l = 0): the
+    # discarded 0 * inf makes numpy warn inside the interpreter; the selected value is 0.
+    pytest.mark.filterwarnings("ignore:invalid value encountered in multiply"),
+]
+
+D, DV = mla_cuda.HEAD_DIM, mla_cuda.V_HEAD_DIM  # 576 = 512 latent + 64 rope
+
+# Half an ulp of the storage dtype, relative: bf16 keeps 8 significant bits, fp16 11.
+HALF_ULP = {torch.bfloat16: 2.0 ** -8, torch.float16: 2.0 ** -11}
+
+
+@pytest.fixture
+def ops(monkeypatch):
+    from cuda_glue import PtxCudaOps
+
+    o = PtxCudaOps()
+    monkeypatch.setattr(mla_cuda, "cuda_ops", lambda: o)
+    return o
+
+
+def make_case(ns, prefixes, heads, dtype, *, decode=False, index_dtype=torch.int32, seed=0):
+    """Request b: ns[b] drafts (a random tree) after prefixes[b] prefix slots (decode: one query per
+    request over all prefixes[b] slots); the slots are a random subset of a larger pool."""
+    gen = torch.Generator().manual_seed(seed)
+    if decode:
+        ns = [1] * len(prefixes)
+        kv_lens = list(prefixes)
+    else:
+        kv_lens = [p + n for p, n in zip(prefixes, ns)]
+    num_slots = sum(kv_lens) + 5
+    T = sum(ns)
+    parents = torch.tensor([p for n in ns for p in random_parents(n, "random", gen)], dtype=torch.int64)
+    qo_indptr = torch.tensor([0] + list(ns), dtype=torch.int64).cumsum(0).to(torch.int32)
+    return dict(
+        q=torch.randn(T, heads, D, generator=gen).to(dtype),
+        kv_cache=torch.randn(num_slots, D, generator=gen).to(dtype),
+        kv_indptr=torch.tensor([0] + kv_lens, dtype=torch.int64).cumsum(0).to(torch.int32),
+        kv_indices=torch.randperm(num_slots, generator=gen)[: sum(kv_lens)].to(index_dtype),
+        qo_indptr=None if decode else qo_indptr,
+        tree_mask=None if decode else ancestor_mask_bits(parents, qo_indptr),
+    )
+
+
+def run_both(c, *, splits, max_draft_tokens=0, sm_scale=None):
+    """(kernel out, kernel lse, reference out, reference lse). The kernel's buffers start as NaN so
+    that a row it does not write cannot pass."""
+    q = c["q"]
+    T, H, _ = q.shape
+    sm_scale = sm_scale if sm_scale is not None else 1 / math.sqrt(D)
+    args = (q, c["kv_cache"], c["kv_indptr"], c["kv_indices"], c["qo_indptr"], c["tree_mask"], sm_scale, DV)
+    out = torch.full((T, H, DV), float("nan"), dtype=q.dtype)
+    lse = torch.full((T, H), float("nan"))
+    mla_cuda.mla_tree_verify_attention(*args, out, lse, num_kv_splits=splits, max_draft_tokens=max_draft_tokens)
+    ref = torch.empty(T, H, DV, dtype=q.dtype)
+    ref_lse = torch.empty(T, H)
+    reference.mla_tree_verify_attention(*args, ref, ref_lse, max_draft_tokens)
+    return out, lse, ref, ref_lse
+
+
+def assert_matches(c, out, lse, ref, ref_lse):
+    """Tolerances from the arithmetic the kernel does differently from the fp32 reference:
+    * the logits and every lse input are fp32 on both sides (the interpreter's mma sums the exact
+      products, within ~1 fp32 ulp of the hardware): lse agrees to a few fp32 ulps -> 1e-5;
+    * P (softmax weights, <= 1) is rounded to the storage dtype before P @ V (mma inputs), so
+      each term p_j v_j carries a relative error <= half an ulp: |err| <= HALF_ULP * max|v|
+      (the row sum l is taken before that rounding) -> atol;
+    * both outputs are then rounded to the storage dtype independently: one ulp of the value,
+      i.e. 2 * HALF_ULP relative -> rtol."""
+    half_ulp = HALF_ULP[out.dtype]
+    vmax = c["kv_cache"][:, :DV].float().nan_to_num(0.0).abs().max().item()
+    torch.testing.assert_close(out.float(), ref.float(), atol=half_ulp * vmax, rtol=2 * half_ulp, equal_nan=True)
+    torch.testing.assert_close(lse, ref_lse, atol=1e-5, rtol=1e-5, equal_nan=True)
+
+
+@pytest.mark.parametrize(
+    "dtype,ns,prefixes,heads,splits,max_draft,index_dtype",
+    [
+        # mixed n_b incl. 0, an empty prefix, partial tiles (5, 3 keys), 20 rows -> one 32-row CTA
+        pytest.param(torch.bfloat16, [2, 0, 3], [5, 3, 0], 4, 1, 0, torch.int32, id="bf16-tree-split1-bm32"),
+        # the same batch with max_draft_tokens=3 -> 12 rows: 16-row CTAs; 3 splits: a 21-key prefix
+        # splits into 16 + 5 + nothing, the empty prefix's splits see nothing (lse_s = -inf)
+        pytest.param(torch.bfloat16, [3, 0, 2], [21, 4, 0], 4, 3, 3, torch.int64, id="bf16-tree-split3-bm16"),
+        # fp16, 2 splits of a 33-key prefix: ceil(33 / 2) rounded up to whole 16-key tiles = 32 + 1
+        # (a one-key partial tile)
+        pytest.param(torch.float16, [2, 1], [33, 0], 3, 2, 0, torch.int32, id="f16-tree-split2"),
+        # 3 drafts x 16 heads = 48 rows: two 32-row blocks per request, the second half empty
+        pytest.param(torch.float16, [3], [7], 16, 1, 0, torch.int32, id="f16-tree-two-row-blocks"),
+        # 17 drafts: two tail tiles (mask bit 16 in the second); 64 drafts x 1 head: two 32-row
+        # blocks, four tail tiles, mask bit 63 (the sign bit of the int64 word)
+        pytest.param(torch.bfloat16, [17, 2], [3, 20], 1, 2, 0, torch.int32, id="bf16-tree-17-drafts"),
+        pytest.param(torch.float16, [64], [0], 1, 1, 0, torch.int64, id="f16-tree-64-drafts"),
+    ],
+)
+def test_tree_verify_matches_reference(ops, dtype, ns, prefixes, heads, splits, max_draft, index_dtype):
+    c = make_case(ns, prefixes, heads, dtype, index_dtype=index_dtype, seed=sum(prefixes) + heads)
+    out, lse, ref, ref_lse = run_both(c, splits=splits, max_draft_tokens=max_draft)
+    assert_matches(c, out, lse, ref, ref_lse)
+    names = [name for name, *_ in ops.launches]
+    assert any("mla_tree_verify_kernel" in n for n in names)
+    assert any("mla_merge_splits_kernel" in n for n in names) == (splits > 1)
+    grid_y = {g[1] for name, g, *_ in ops.launches if "mla_tree_verify_kernel" in name}
+    assert grid_y == {splits}
+
+
+@pytest.mark.parametrize(
+    "dtype,prefixes,heads,splits",
+    [
+        # 16 heads (DeepSeek-V3 at TP8) -> one 16-row CTA per request; a request with no slot
+        # (zeros, lse = -inf), 1 key, 18 keys (16 + a 2-key partial tile) over 2 splits
+        pytest.param(torch.bfloat16, [0, 1, 18], 16, 2, id="bf16-decode-h16-split2"),
+        # odd head count, no split
+        pytest.param(torch.float16, [9, 3], 5, 1, id="f16-decode-h5-split1"),
+    ],
+)
+def test_decode_matches_reference(ops, dtype, prefixes, heads, splits):
+    c = make_case(None, prefixes, heads, dtype, decode=True, seed=7 + heads)
+    out, lse, ref, ref_lse = run_both(c, splits=splits)
+    assert_matches(c, out, lse, ref, ref_lse)
+    if prefixes[0] == 0:  # a request with no key: zeros and lse = -inf, not NaN
+        assert torch.equal(out[0].float(), torch.zeros_like(out[0].float()))
+        assert torch.isneginf(lse[0]).all()
+
+
+def test_nan_in_a_cached_row_follows_the_reference(ops):
+    """Non-finite values as documented (spec_kernels.tree_verify.reference): NaN in the K part of a
+    slot a row sees makes that row's output and lse NaN; the slot's V part enters every row of the
+    request as weight * V, so a row that does not see the slot gets NaN in those columns only
+    (0 * NaN), with a finite lse. Request: 3 drafts (a chain) after 2 prefix keys; NaN in column
+    100 (latent: K and V) of draft 1's slot, seen by drafts 1 and 2, not by draft 0."""
+    c = make_case([3], [2], 2, torch.bfloat16, seed=3)
+    c["tree_mask"] = torch.tensor([0b1, 0b11, 0b111], dtype=torch.int64)
+    draft1_slot = int(c["kv_indices"][2 + 1])
+    c["kv_cache"][draft1_slot, 100] = float("nan")
+    out, lse, ref, ref_lse = run_both(c, splits=2)
+    assert torch.isnan(out[1:]).all() and torch.isnan(lse[1:]).all()
+    nan_cols = torch.isnan(out[0]).any(0).nonzero().flatten().tolist()
+    assert nan_cols == [100] and torch.isfinite(lse[0]).all()
+    assert_matches(c, out, lse, ref, ref_lse)
