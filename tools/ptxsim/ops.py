@@ -317,27 +317,26 @@ def _tdiv(x, y):
 
 
 def _bfe(a, pos, ln, typ):
+    """bfe: bits pos .. pos + len - 1 of a (pos, len taken mod 256), sign-extended from bit
+    min(pos + len - 1, size - 1) for .s types; 0 when len is 0."""
     size = 8 * _tsize(typ)
-    out = np.zeros(a.shape, _NP[typ])
-    av = a.astype(object) if size == 64 else a.astype(np.int64)
-    res = []
-    for x, p, l in zip(np.atleast_1d(av), np.broadcast_to(pos, a.shape), np.broadcast_to(ln, a.shape)):
-        p, l, x = int(p) & 0xFF, int(l) & 0xFF, int(x)
-        ux = x & ((1 << size) - 1)
-        if l == 0:
-            res.append(0)
-            continue
-        msb = min(p + l - 1, size - 1)
-        sbit = (ux >> msb) & 1 if _signed(typ) else 0
-        v = 0
-        for i in range(size):
-            if i < l and p + i < size:
-                v |= ((ux >> (p + i)) & 1) << i
-            else:
-                v |= sbit << i
-        res.append(v)
-    out[...] = np.array(res, np.uint64).astype(_UNS[size // 8]).view(_NP[typ]) if res else out
-    return out
+    ux = np.atleast_1d(a).view(_UNS[size // 8]).astype(np.uint64) if np.ndim(a) else \
+        np.atleast_1d(np.asarray(a, _NP[typ]).view(_UNS[size // 8])).astype(np.uint64)
+    p = np.broadcast_to(np.asarray(pos).astype(np.int64) & 0xFF, ux.shape)
+    l = np.broadcast_to(np.asarray(ln).astype(np.int64) & 0xFF, ux.shape)
+    nbits = np.clip(np.minimum(l, size - p), 0, 64)          # bits taken from a
+    shifted = np.where(p < size, ux >> np.minimum(p, 63).astype(np.uint64), np.uint64(0))
+    full = np.uint64((1 << size) - 1)
+    mask = np.where(nbits >= 64, np.uint64(0xFFFFFFFFFFFFFFFF),
+                    (np.uint64(1) << np.minimum(nbits, 63).astype(np.uint64)) - np.uint64(1))
+    v = shifted & mask
+    if _signed(typ):
+        msb = np.minimum(p + l - 1, size - 1).clip(0).astype(np.uint64)
+        sbit = (ux >> msb) & np.uint64(1)
+        v = v | (np.where(sbit == 1, ~mask & full, np.uint64(0)))
+    v = np.where(l == 0, np.uint64(0), v & full)
+    out = v.astype(_UNS[size // 8]).view(_NP[typ])
+    return out.reshape(np.shape(a)) if np.ndim(a) else out
 
 
 def _prmt(a, b, c):
