@@ -181,3 +181,18 @@ def test_same_build_beyond_noise_warns_that_the_measurements_are_noisy(tmp_path,
     assert main(["compare", str(old), str(new)]) == 0
     captured = capsys.readouterr()
     assert "WARNING" not in captured.err and "every difference is within the runs' own noise" in captured.out
+
+
+def test_zero_valued_counters_compare_equal_and_growth_from_zero_fails(tmp_path, capsys):
+    """Interpreter counters (tools/ptxsim/report.py) can be 0: 0 -> 0 is no change, 0 -> n is SLOWER."""
+    doc = copy.deepcopy(OLD)
+    doc["benchmarks"] = [bench("ptxsim::k[s]::bank_conflicts", 0), bench("ptxsim::k[s]::warp_instructions", 100)]
+    old, same = files(tmp_path, doc)
+    Path(old).write_text(json.dumps(doc))
+    assert main(["compare", old, same, "--threshold", "5%"]) == 0
+    grown = copy.deepcopy(doc)
+    grown["benchmarks"][0]["stats"]["median"] = 3
+    Path(same).write_text(json.dumps(grown))
+    assert main(["compare", old, same, "--threshold", "5%"]) == 1
+    line = next(l for l in capsys.readouterr().out.splitlines() if "bank_conflicts" in l and "SLOWER" in l)
+    assert line

@@ -109,7 +109,9 @@ class Row:
 
     @property
     def change(self) -> float:  # relative change of the median time: +0.2 = 20% slower
-        return self.new.median_s / self.old.median_s - 1 if self.old.median_s > 0 else math.inf
+        if self.old.median_s > 0:
+            return self.new.median_s / self.old.median_s - 1
+        return 0.0 if self.new.median_s == self.old.median_s else math.inf  # counters can be 0
 
     @property
     def noise(self) -> Optional[float]:

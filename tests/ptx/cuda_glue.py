@@ -128,8 +128,8 @@ class PtxCudaOps:
         p.q, p.k_cache, p.v_cache = buf.ptr(q, "q"), buf.ptr(k_cache, "k_cache"), buf.ptr(v_cache, "v_cache")
         p.kv_indptr, p.kv_indices = buf.ptr(kv_indptr, "kv_indptr"), buf.ptr(kv_indices, "kv_indices")
         p.kv_indices_int64 = kv_indices.dtype == torch.int64
-        p.qo_indptr, p.tree_mask = buf.ptr(qo_indptr), buf.ptr(tree_mask)
-        p.out, p.lse = buf.ptr(out), buf.ptr(lse)
+        p.qo_indptr, p.tree_mask = buf.ptr(qo_indptr, "qo_indptr"), buf.ptr(tree_mask, "tree_mask")
+        p.out, p.lse = buf.ptr(out, "out"), buf.ptr(lse, "lse")
         p.o_partial = buf.ptr(o_partial) if num_splits > 1 else 0
         p.lse_partial = buf.ptr(lse_partial) if num_splits > 1 else 0
         p.q_stride_t, p.q_stride_h = q.stride(0), q.stride(1)

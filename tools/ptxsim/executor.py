@@ -621,4 +621,22 @@ class Machine:
     # decoding ---------------------------------------------------------------------------------
     def decode(self, r, ins: Instr, pc):
         from . import ops
-        return ops.decode(self, r, ins, pc)
+        kind, fn = ops.decode(self, r, ins, pc)
+        if kind != "op" or ins.opcode.split(".")[0] in ("ld", "cp", "atom", "st", "red"):
+            return kind, fn
+        # dependent-load depth flows through arithmetic: dst depth = max(source depths)
+        srcs, dsts = [], []
+        for i, o in enumerate(ins.operands):
+            names = [x.name for x in (o.items if o.kind == "vec" else (o,)) if x.kind in ("reg", "negpred")]
+            (dsts if i == 0 else srcs).extend(names)
+        depth = r.load_depth
+
+        def tracked(sel, tids):
+            fn(sel, tids)
+            d = max((depth.get(x, 0) for x in srcs), default=0)
+            for x in dsts:
+                if d:
+                    depth[x] = d
+                elif x in depth:
+                    del depth[x]
+        return kind, tracked

@@ -1,0 +1,17 @@
+"""The counter report runs and writes JSON that spec_kernels.bench compare reads."""
+import json
+
+from spec_kernels.bench.__main__ import main as bench_main
+from tools.ptxsim.report import main
+
+
+def test_report_runs_and_compares(tmp_path, capsys):
+    out = tmp_path / "r" / "counters.json"
+    assert main(["--keys", "80", "--json", str(out)]) == 0
+    text = capsys.readouterr().out
+    assert "K read / ideal 1.000" in text            # decode and group-4 verify read K once
+    assert "K read / ideal 2.000" in text            # group 8: two row blocks stream the prefix twice
+    doc = json.loads(out.read_text())
+    names = {b["name"] for b in doc["benchmarks"]}
+    assert "ptxsim::tree_verify_kernel[verify16_bf16_d128_L80_group8]::k_bytes_read_over_ideal" in names
+    assert bench_main(["compare", str(out), str(out)]) == 0

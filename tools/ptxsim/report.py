@@ -1,0 +1,135 @@
+"""Counters of simulated launches: the performance evidence available without a GPU.
+
+    python -m tools.ptxsim.report [--keys 1024] [--json out.json] [--arch sm_120a]
+
+Runs the compiled tree-verify kernels (and the other kernels whose host glue exists in
+tests/ptx/cuda_glue.py) on fixed shapes through the interpreter and prints, per kernel and shape:
+bytes read per buffer (K / V against the ideal of one read of each referenced byte), bytes
+written, dynamic warp-instructions by class, shared-memory bank conflicts per instruction (from
+the real addresses), and the longest chain of dependent global loads in the launch (kv_indptr ->
+kv_indices -> K/V is 3; per KV tile the chain is that minus the indptr load).
+
+--json writes pytest-benchmark-compatible JSON: one entry per (kernel, shape, counter) whose
+`stats.median` is the counter value (a count, not seconds), so `python -m spec_kernels.bench
+compare old.json new.json` flags a counter that grew between two commits. Counters are
+deterministic: any change beyond the threshold is real.
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import sys
+import time
+
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def _cases(L: int):
+    """(label, kwargs of make_case, decode?) for the tree-verify kernel, L keys per request."""
+    return [
+        (f"decode_bf16_d128_L{L}_group8", dict(ns=[1], prefixes=[L - 1], hq=8, hkv=1, d=128), True),
+        (f"verify16_bf16_d128_L{L}_group4", dict(ns=[16], prefixes=[L - 16], hq=4, hkv=1, d=128), False),
+        (f"verify16_bf16_d128_L{L}_group8", dict(ns=[16], prefixes=[L - 16], hq=8, hkv=1, d=128), False),
+    ]
+
+
+def run(keys: int, arch: str):
+    sys.path[:0] = [REPO, os.path.join(REPO, "tests"), os.path.join(REPO, "tests", "ptx")]
+    import torch
+    from cuda_glue import PtxCudaOps
+    from tree_cases import make_case
+    import test_tree_verify_ptx as tv
+
+    rows = []
+    for label, kw, decode in _cases(keys):
+        ns, prefixes = kw.pop("ns"), kw.pop("prefixes")
+        case = make_case(ns, prefixes, dtype=torch.bfloat16, seed=1, **kw)
+        ops = PtxCudaOps(arch=arch)
+        t0 = time.perf_counter()
+        tv.run_ptx(case, ops, decode=decode)
+        secs = time.perf_counter() - t0
+        L = prefixes[0] + ns[0]
+        kv_ideal = L * kw["d"] * 2
+        for name, grid, block, smem, st in ops.launches:
+            kernel = name.split("I")[0]
+            read = st.region_read
+            rows.append(dict(
+                kernel=kernel, shape=label, grid=list(grid), block=list(block), smem=smem, seconds=round(secs, 2),
+                counters={
+                    "k_bytes_read_over_ideal": round(read.get("k_cache", 0) / kv_ideal, 4),
+                    "v_bytes_read_over_ideal": round(read.get("v_cache", 0) / kv_ideal, 4),
+                    "index_bytes_read_over_ideal": round(read.get("kv_indices", 0) / (4 * L), 4),
+                    "global_bytes_read": st.global_read, "global_bytes_written": st.global_written,
+                    "warp_instructions": sum(st.warp_instr.values()),
+                    **{f"warp_instructions.{k}": v for k, v in sorted(st.warp_instr.items())},
+                    "bank_conflicts": int(sum(st.bank_conflicts.values())),
+                    **{f"bank_conflicts.{k}": int(v) for k, v in sorted(st.bank_conflicts.items())},
+                    "dependent_global_load_chain": st.load_chain,
+                }))
+    return rows
+
+
+def print_table(rows):
+    for r in rows:
+        c = r["counters"]
+        print(f"{r['kernel']}  {r['shape']}  grid {tuple(r['grid'])} block {tuple(r['block'])} smem {r['smem']} B"
+              f"  ({r['seconds']} s simulated)")
+        print(f"  K read / ideal {c['k_bytes_read_over_ideal']:.3f}   V read / ideal {c['v_bytes_read_over_ideal']:.3f}"
+              f"   kv_indices read / ideal {c['index_bytes_read_over_ideal']:.2f}")
+        print(f"  global read {c['global_bytes_read']} B, written {c['global_bytes_written']} B;"
+              f" dependent global-load chain {c['dependent_global_load_chain']}")
+        cls = ", ".join(f"{k.split('.', 1)[1]} {v}" for k, v in c.items() if k.startswith("warp_instructions."))
+        print(f"  warp-instructions {c['warp_instructions']}: {cls}")
+        bc = ", ".join(f"{k.split('.', 1)[1]} {v}" for k, v in c.items() if k.startswith("bank_conflicts."))
+        print(f"  bank conflicts {c['bank_conflicts']}" + (f" ({bc})" if bc else ""))
+
+
+def to_benchmark_json(rows, arch):
+    benches = []
+    for r in rows:
+        for k, v in r["counters"].items():
+            benches.append({
+                "name": f"ptxsim::{r['kernel']}[{r['shape']}]::{k}", "group": "ptxsim-counters",
+                "params": {"shape": r["shape"]},
+                "stats": {"min": v, "max": v, "mean": v, "median": v, "rounds": 1, "iterations": 1},
+                "extra_info": {"unit": "count (not seconds)", "kernel": r["kernel"], "arch": arch,
+                               "grid": r["grid"], "block": r["block"], "smem": r["smem"]},
+            })
+    return {"machine_info": {"node": "ptxsim", "note": "interpreter counters, deterministic"},
+            "commit_info": _commit(), "benchmarks": benches,
+            "datetime": datetime.datetime.now(datetime.timezone.utc).isoformat(), "version": "ptxsim"}
+
+
+def _commit():
+    import subprocess
+    try:
+        sha = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, cwd=REPO).stdout.strip()
+        dirty = bool(subprocess.run(["git", "status", "--porcelain", "--", "csrc"], capture_output=True, text=True,
+                                    cwd=REPO).stdout.strip())
+    except OSError:
+        sha, dirty = "", False
+    return {"id": sha, "dirty": dirty}
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m tools.ptxsim.report", description=__doc__.split("\n\n")[0])
+    ap.add_argument("--keys", type=int, default=1024, help="keys per request (default 1024; 256 takes ~30 s)")
+    ap.add_argument("--json", help="write pytest-benchmark-compatible JSON here")
+    ap.add_argument("--arch", default="sm_120a", choices=("sm_120a", "sm_90a"), help="PTX target (default sm_120a)")
+    args = ap.parse_args(argv)
+    if args.keys < 17:
+        ap.error("--keys must be at least 17 (16 drafts + a prefix)")
+    rows = run(args.keys, args.arch)
+    print_table(rows)
+    if args.json:
+        os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
+        with open(args.json, "w") as f:
+            json.dump(to_benchmark_json(rows, args.arch), f, indent=1)
+        print(f"wrote {args.json}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
