@@ -58,7 +58,8 @@ $L__BB0_1:	ld.global.nc.v4.u32 	{%r2, %r3, %r4, %r5}, [%rd1];
 	@!p st.global.v4.u32 	[%rd1], {%r2, %r3, %r4, %r5};
 	}
 	// end inline asm
-	@!%p1 mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%r2, %r3, %r4, %r5}, {%r2, %r3, %r4, %r5}, {%r2, %r3}, {%r2, %r3, %r4, %r5};
+	@!%p1 mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%r2, %r3, %r4, %r5},
+		{%r2, %r3, %r4, %r5}, {%r2, %r3}, {%r2, %r3, %r4, %r5};
 	cp.async.wait_group 0;
 $L__BB0_2:
 	ret;

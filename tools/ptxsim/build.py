@@ -34,7 +34,7 @@ import tempfile
 import time
 from dataclasses import asdict, dataclass, field
 from functools import lru_cache
-from typing import Any, Optional
+from typing import Optional
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 CSRC = os.path.join(REPO, "csrc")
@@ -141,7 +141,8 @@ def torch_nvcc_flags() -> tuple[list[str], str, str]:
             common = ast.literal_eval(node.value)
         if isinstance(node, ast.FunctionDef) and node.name.startswith("append_std"):
             for sub in ast.walk(node):
-                if isinstance(sub, ast.Constant) and isinstance(sub.value, str) and re.fullmatch(r"c\+\+\d+", sub.value):
+                if isinstance(sub, ast.Constant) and isinstance(sub.value, str) \
+                        and re.fullmatch(r"c\+\+\d+", sub.value):
                     std = "-std=" + sub.value
     if common is None or std is None:
         return list(FALLBACK_TORCH_NVCC_FLAGS), FALLBACK_STD, f"fixed list ({path} not understood)"
@@ -278,7 +279,11 @@ class TritonJob:
     arch: int
     module: str
     key: str  # the specialisation key (signature, constexprs, attrs, options, arch)
-    job: Any = None  # tools/triton_compile_report.Job (in the process that enumerated it)
+    args: list = field(default_factory=list)  # [("tensor", dtype name) | ("value", scalar)] per argument
+    kwargs: dict = field(default_factory=dict)  # constexprs and launch options (num_warps, num_stages)
+
+    def __iter__(self):  # `for kernel, config in triton_jobs()`
+        return iter((self.kernel, self.config))
 
     def describe(self) -> str:
         return f"{self.kernel} {self.config} sm_{self.arch} ({self.cases[0]}" + (
@@ -331,7 +336,8 @@ def triton_jobs(level: str = "default", arch: int = 120) -> list[TritonJob]:
     if notes:
         raise RuntimeError("a launcher refused its shape case: " + "; ".join(f"{n['case']}: {n['error']}"
                                                                           for n in notes))
-    return [TritonJob(j.fn_name, j.kernel, j.config, list(j.cases), j.arch, j.module, j.key, j)
+    return [TritonJob(j.fn_name, j.kernel, j.config, list(j.cases), j.arch, j.module, j.key,
+                      [list(a) for a in j.args], dict(j.kwargs))
             for j in jobs if j.choosable]
 
 
@@ -374,8 +380,8 @@ def _compile_triton(job: TritonJob) -> dict:
 
     rep = _report_module()
     fn = getattr(importlib.import_module(job.module), job.kernel)
-    args = rep._mock_args(job.job.args)
-    signature, constexprs, attrs, options = rep._specialise(fn, args, job.job.kwargs, job.arch)
+    args = rep._mock_args(job.args)
+    signature, constexprs, attrs, options = rep._specialise(fn, args, job.kwargs, job.arch)
     t0 = time.perf_counter()
     old_cache = os.environ.get("TRITON_CACHE_DIR")
     backend_cls, old_cubin = None, None
@@ -432,14 +438,8 @@ def triton_ptx_for_job(job: TritonJob) -> TritonPTX:
     res = _compile_triton(job)
     ptx = res.pop("ptx")
     _write_atomic(entry + ".ptx", ptx)
-    _write_atomic(entry + ".json", json.dumps(dict(res, job=_job_dict(job)), indent=1, default=repr))
+    _write_atomic(entry + ".json", json.dumps(dict(res, job=asdict(job)), indent=1, default=repr))
     return TritonPTX(ptx=ptx, key=key, cached=False, **res)
-
-
-def _job_dict(job: TritonJob) -> dict:
-    d = asdict(job) if job.job is None else {k: v for k, v in vars(job).items() if k != "job"}
-    d.pop("job", None)
-    return d
 
 
 def _worker(job: TritonJob) -> tuple[str, Optional[str], float, bool]:
@@ -461,8 +461,8 @@ def _fill_triton_cache(level: str, arch: int, processes: int, manifest: Optional
     t_enum = time.perf_counter() - t0
     todo = [j for j in jobs if _read(_triton_entry(j, _triton_cache_key(j)) + ".json") is None]
     # Big tiles first keeps both processes busy to the end.
-    todo.sort(key=lambda j: -(j.job.kwargs.get("BLOCK_M", 1) * j.job.kwargs.get("BLOCK_N", 1)
-                              * j.job.kwargs.get("D", j.job.kwargs.get("DV", 1))))
+    todo.sort(key=lambda j: -(j.kwargs.get("BLOCK_M", 1) * j.kwargs.get("BLOCK_N", 1)
+                              * j.kwargs.get("D", j.kwargs.get("DV", 1))))
     errors = {}
     if todo and processes > 1:
         ctx = multiprocessing.get_context("fork")
@@ -478,7 +478,7 @@ def _fill_triton_cache(level: str, arch: int, processes: int, manifest: Optional
     entries = []
     for j in jobs:
         key = _triton_cache_key(j)
-        entries.append(dict(job=_job_dict(j), entry=_triton_entry(j, key), key=key, error=errors.get(j.key)))
+        entries.append(dict(job=asdict(j), entry=_triton_entry(j, key), key=key, error=errors.get(j.key)))
     summary = dict(level=level, arch=arch, jobs=len(jobs), compiled=len(todo), errors=len(errors),
                    enumerate_s=round(t_enum, 2), total_s=round(time.perf_counter() - t0, 2), entries=entries)
     if manifest:

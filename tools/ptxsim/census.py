@@ -28,7 +28,7 @@ _LINE_DIRECTIVES = re.compile(r"^[ \t]*\.(loc|file|version|target|address_size|m
                               r"noreturn)\b[^\n]*", re.M)
 _COMMENTS = re.compile(r"//[^\n]*|/\*.*?\*/", re.S)
 _SECTIONS = re.compile(r"\.section\b[^{;]*\{.*?\}", re.S)  # DWARF sections: data, no code
-_DELIM = re.compile(r"[;{}]")
+_BRACES = re.compile(r"[{}]")
 _LABEL = re.compile(r"^[$%\w.]+:(?!:)\s*")
 _GUARD = re.compile(r"^@!?[$%\w.]+\s+")
 _OPCODE = re.compile(r"^[a-z][\w.:]*")
@@ -51,21 +51,35 @@ def _strip_labels(text: str) -> tuple[str, int]:
         text = text[m.end():]
 
 
-def _statements(ptx: str):
+_LOWER = frozenset("abcdefghijklmnopqrstuvwxyz")
+
+
+def _statements(ptx: str, want_lines: bool = True):
     """Yield (line, entry, statement) for every instruction statement of the PTX text (guards
-    removed, operands kept). Braces are told apart by where they stand: after an opcode they
-    hold a vector operand ({%r1, %r2}), after `=` an initializer, anywhere else a scope."""
+    removed, operands kept; line is 0 unless want_lines). Braces are told apart by where they
+    stand: after an opcode they hold a vector operand ({%r1, %r2}), after `=` an initializer,
+    anywhere else a scope."""
     text = _COMMENTS.sub(_blank, ptx)
     text = _LINE_DIRECTIVES.sub("", text)
     text = _SECTIONS.sub(_blank, text)
-    pos, line, entry = 0, 1, None
-    pending, pending_line = "", 1  # the statement being read and the line it starts on
-    vector = skip = 0  # depth inside a vector operand / an initializer
+    line, entry = 1, None
 
     def finish(stmt: str, at: int):
         nonlocal entry
         stripped = stmt.strip()
-        at += stmt[:len(stmt) - len(stmt.lstrip())].count("\n")
+        if not stripped:
+            return None
+        if want_lines:
+            at += stmt[:len(stmt) - len(stmt.lstrip())].count("\n")
+        first = stripped[0]
+        if first in _LOWER:  # the common case: an opcode, unless it is a label (name:)
+            tok = _OPCODE.match(stripped).group(0)
+            if ":" not in tok.replace("::", ""):
+                return at, entry, stripped
+        elif first == "@":
+            g = _GUARD.match(stripped)
+            if g:
+                return at, entry, stripped[g.end():]
         stripped, n = _strip_labels(stripped)
         at += n
         if not stripped:
@@ -80,36 +94,56 @@ def _statements(ptx: str):
             stripped = stripped[g.end():]
         return at, entry, stripped
 
-    for m in _DELIM.finditer(text):
-        seg = text[pos:m.start()]
-        if not pending:
-            pending_line = line
-        pending += seg
-        line += seg.count("\n")
-        pos = m.end()
-        d = m.group(0)
-        if skip:
-            skip += {"{": 1, "}": -1}.get(d, 0)
-            if not skip:
-                pending = ""
+    # No ';' stands inside a vector operand or an initializer, so each ';'-separated chunk is
+    # read on its own; only chunks with braces need the brace scan.
+    for chunk in text.split(";"):
+        if "{" not in chunk and "}" not in chunk:
+            got = finish(chunk, line)
+            if want_lines:
+                line += chunk.count("\n")
+            if got is not None:
+                yield got
             continue
-        if vector:
-            pending += d
-            vector += {"{": 1, "}": -1}.get(d, 0)
-            continue
-        head, _ = _strip_labels(pending.strip())
-        if d == "{" and head.endswith("="):
-            skip = 1
-            continue
-        if d == "{" and (head.startswith("@") or _OPCODE.match(head)):
-            pending += d
-            vector = 1
-            continue
-        got = finish(pending, pending_line)
-        pending = ""
-        if got is not None:
-            yield got
-    if pending.strip():
+        pos, pending, pending_line, vector, skip = 0, "", line, 0, 0
+        for m in _BRACES.finditer(chunk):
+            seg = chunk[pos:m.start()]
+            pos = m.end()
+            if pending:
+                pending += seg
+            else:
+                pending, pending_line = seg, line
+            if want_lines:
+                line += seg.count("\n")
+            d = m.group(0)
+            if skip:  # inside an initializer { ... }
+                skip += 1 if d == "{" else -1
+                if not skip:
+                    pending = ""
+                continue
+            if vector:  # inside a vector operand {%r1, %r2}
+                pending += d
+                vector += 1 if d == "{" else -1
+                continue
+            if d == "{":
+                head, _ = _strip_labels(pending.strip())
+                if head.endswith("="):
+                    skip = 1
+                    continue
+                if head.startswith("@") or _OPCODE.match(head):
+                    pending += d
+                    vector = 1
+                    continue
+            got = finish(pending, pending_line)  # a scope brace ends what came before it
+            pending = ""
+            if got is not None:
+                yield got
+        seg = chunk[pos:]
+        if pending:
+            pending += seg
+        else:
+            pending, pending_line = seg, line
+        if want_lines:
+            line += seg.count("\n")
         got = finish(pending, pending_line)
         if got is not None:
             yield got
@@ -123,7 +157,7 @@ def _form(statement: str) -> Optional[str]:
 def forms(ptx_text: str) -> collections.Counter:
     """Static count of every instruction form in the PTX text."""
     out: collections.Counter = collections.Counter()
-    for _, _, st in _statements(ptx_text):
+    for _, _, st in _statements(ptx_text, want_lines=False):
         f = _form(st)
         if f is None:
             raise ValueError(f"cannot read an opcode from the PTX statement {st[:120]!r}")
@@ -134,7 +168,7 @@ def forms(ptx_text: str) -> collections.Counter:
 def forms_by_entry(ptx_text: str) -> dict[str, collections.Counter]:
     """forms() per .entry / .func."""
     out: dict[str, collections.Counter] = {}
-    for _, entry, st in _statements(ptx_text):
+    for _, entry, st in _statements(ptx_text, want_lines=False):
         out.setdefault(entry or "?", collections.Counter())[_form(st)] += 1
     return out
 
@@ -209,7 +243,7 @@ def table(sources: list[Source]) -> tuple[list[str], dict]:
     all_forms = sorted(set().union(*by_group.values())) if by_group else []
     rows = ["| form | " + " | ".join(groups) + " | where |", "|---|" + "---|" * len(groups) + "---|"]
     for f in all_forms:
-        w = "; ".join(f"{g.split()[0]}: " + ", ".join(f"{k} {n}" for k, n in sorted(where[f][g].items()))
+        w = "; ".join(f"{g}: " + ", ".join(f"{k} {n}" for k, n in sorted(where[f][g].items()))
                       for g in groups if g in where[f])
         rows.append(f"| `{f}` | " + " | ".join(str(by_group[g].get(f, "")) for g in groups) + f" | {w} |")
     stats = {g: dict(distinct=len(c), static=sum(c.values())) for g, c in by_group.items()}
