@@ -78,6 +78,23 @@ def _names(dtypes: Iterable[torch.dtype]) -> str:
     return ", ".join(str(d).replace("torch.", "") for d in dtypes)
 
 
+def common_device(named: Iterable[tuple[str, object]]) -> tuple[torch.device, str]:
+    """The device a call's tensors must share: the one most of them are on (the first tensor's on
+    a tie), so that the device error names the tensor that is elsewhere, the first one included.
+    Returns it and the words a device error uses for where it comes from (the tensors on it, or
+    "the other inputs")."""
+    named = [(n, t) for n, t in named if isinstance(t, torch.Tensor)]
+    if not named:
+        return torch.device("cpu"), "the other inputs"
+    counts: dict[torch.device, list[str]] = {}
+    for n, t in named:
+        counts.setdefault(t.device, []).append(n)
+    best = max(len(v) for v in counts.values())
+    device = next(t.device for _, t in named if len(counts[t.device]) == best)
+    on_it = counts[device]
+    return device, " and ".join(on_it) if len(on_it) <= 2 else "the other inputs"
+
+
 def check_tensor(
     t,
     name: str,
@@ -86,6 +103,7 @@ def check_tensor(
     dtypes: Optional[Iterable[torch.dtype]] = None,
     device: Optional[torch.device] = None,
     contiguous: bool = True,
+    like: str = "the other inputs",
 ) -> None:
     """Raise TypeError/ValueError naming `name` when `t` is not a tensor of the given kind."""
     if not isinstance(t, torch.Tensor):
@@ -97,7 +115,7 @@ def check_tensor(
         if t.dtype not in dtypes:
             raise ValueError(f"{name} must have dtype {_names(dtypes)}, got {str(t.dtype).replace('torch.', '')}")
     if device is not None and t.device != device:
-        raise ValueError(f"{name} must be on {device} like the other inputs, got {t.device}")
+        raise ValueError(f"{name} must be on {device} like {like}, got {t.device}")
     if contiguous and not t.is_contiguous():
         raise ValueError(f"{name} must be contiguous (got strides {tuple(t.stride())}); call .contiguous()")
 
@@ -160,15 +178,15 @@ def check_tree_mask_values(tree_mask: torch.Tensor, qo: list[int], name: str = "
     j = extra[0]
     if j >= n:
         raise ValueError(f"{name}[{t}] (request {b}, draft {i}) has bit {j} set, but request {b} has only {n} "
-                         f"draft tokens: bits at or past n_b must be 0")
+                         f"draft tokens: bits at or past n_b must be 0 (requests and drafts as qo_indptr gives them)")
     raise ValueError(f"{name}[{t}] (request {b}, draft {i}) has bit {j} set: draft {j} comes later, so it cannot "
-                     f"be an ancestor (a draft sees only itself and earlier drafts)")
+                     f"be an ancestor (a draft sees only itself and earlier drafts; drafts as qo_indptr gives them)")
 
 
-def check_index_range(idx: torch.Tensor, name: str, upper: int, upper_name: str) -> None:
-    """All values of idx in [0, upper)."""
+def check_index_range(idx: torch.Tensor, name: str, upper: int, upper_name: str, where: str = "") -> None:
+    """All values of idx in [0, upper); `where` says which part of the tensor idx is."""
     if idx.numel() == 0:
         return
     lo, hi = int(idx.min()), int(idx.max())
     if lo < 0 or hi >= upper:
-        raise ValueError(f"{name} values must be in [0, {upper_name}={upper}), got range [{lo}, {hi}]")
+        raise ValueError(f"{name} values must be in [0, {upper_name}={upper}), got range [{lo}, {hi}]{where}")

@@ -17,7 +17,7 @@ from typing import Optional, Sequence
 
 import torch
 
-from .._checks import INDEX_DTYPES, _is_fake, check_shape, check_tensor, values_checkable
+from .._checks import INDEX_DTYPES, _is_fake, check_shape, check_tensor, common_device, values_checkable
 from .._ops import cuda_ops, op_impls, sm_count
 from . import reference, triton_kernel
 from .reference import MAX_DRAFT_TOKENS, PAGE_FREE, PAGE_HELD, STATUS_LEN, STATUS_OK, STATUS_OUT_OF_PAGES, Verdict
@@ -474,8 +474,9 @@ def page_state_from_free_stack(free_pages: torch.Tensor, num_free: torch.Tensor)
         >>> num_free = torch.tensor([4096], device="cuda")
         >>> page_state = page_state_from_free_stack(free_pages, num_free)
     """
-    check_tensor(free_pages, "free_pages", dim=1, dtypes=(torch.int64,))
-    check_tensor(num_free, "num_free", dim=1, dtypes=(torch.int64,), device=free_pages.device)
+    dev, like = common_device([("free_pages", free_pages), ("num_free", num_free)])
+    check_tensor(free_pages, "free_pages", dim=1, dtypes=(torch.int64,), device=dev, like=like)
+    check_tensor(num_free, "num_free", dim=1, dtypes=(torch.int64,), device=dev, like=like)
     check_shape(num_free, "num_free", (1,))
     capacity = free_pages.numel()
     top = int(num_free.item())

@@ -17,6 +17,7 @@ from .._checks import (
     INDEX_DTYPES,
     check_shape,
     check_tensor,
+    common_device,
     values_checkable,
 )
 from .._ops import op_impls
@@ -71,13 +72,15 @@ def _(q, kv_cache, kv_indptr, kv_indices, qo_indptr, tree_mask, sm_scale, v_head
 
 
 # --------------------------------------------------------------------------- checks
-def _check_inputs(q, kv_cache, kv_indptr, kv_indices, v_head_dim) -> torch.Tensor:
-    """Metadata checks shared by verify and decode; returns kv_cache as [S, D]."""
-    check_tensor(q, "q", dim=3, dtypes=FLOAT_DTYPES)
-    dev = q.device
-    check_tensor(kv_cache, "kv_cache", dtypes=(q.dtype,), device=dev)
-    check_tensor(kv_indptr, "kv_indptr", dim=1, dtypes=(torch.int32,), device=dev)
-    check_tensor(kv_indices, "kv_indices", dim=1, dtypes=INDEX_DTYPES, device=dev)
+def _check_inputs(q, kv_cache, kv_indptr, kv_indices, v_head_dim, others=()) -> tuple[torch.Tensor, str]:
+    """Metadata checks shared by verify and decode; returns kv_cache as [S, D] and how device
+    errors name the device all tensors (others included, for the vote) must be on."""
+    dev, like = common_device([("q", q), ("kv_cache", kv_cache), ("kv_indptr", kv_indptr),
+                               ("kv_indices", kv_indices), *others])
+    check_tensor(q, "q", dim=3, dtypes=FLOAT_DTYPES, device=dev, like=like)
+    check_tensor(kv_cache, "kv_cache", dtypes=(q.dtype,), device=dev, like=like)
+    check_tensor(kv_indptr, "kv_indptr", dim=1, dtypes=(torch.int32,), device=dev, like=like)
+    check_tensor(kv_indices, "kv_indices", dim=1, dtypes=INDEX_DTYPES, device=dev, like=like)
     _, H, D = q.shape
     if not (kv_cache.dim() == 2 or (kv_cache.dim() == 3 and kv_cache.shape[1] == 1)):
         raise ValueError(f"kv_cache must be [S, D] or [S, 1, D] (one latent KV head), "
@@ -95,7 +98,7 @@ def _check_inputs(q, kv_cache, kv_indptr, kv_indices, v_head_dim) -> torch.Tenso
             "(DeepSeek-V3, Kimi K2.5)")
     if kv_indptr.numel() < 1:
         raise ValueError("kv_indptr must have B+1 >= 1 entries")
-    return kv_cache.view(kv_cache.shape[0], D)
+    return kv_cache.view(kv_cache.shape[0], D), like
 
 
 # --------------------------------------------------------------------------- public API
@@ -171,12 +174,13 @@ def mla_tree_verify_attention(
         >>> o = spec_kernels.mla_tree_verify_attention(q, kv_cache, kv_indptr, kv_indices, qo_indptr,
         ...                                            mask, sm_scale=layer.scaling)
     """
-    kv2d = _check_inputs(q, kv_cache, kv_indptr, kv_indices, v_head_dim)
+    kv2d, like = _check_inputs(q, kv_cache, kv_indptr, kv_indices, v_head_dim,
+                               (("qo_indptr", qo_indptr), ("tree_mask", tree_mask), ("out", out)))
     dev, T, B = q.device, q.shape[0], kv_indptr.numel() - 1
-    check_tensor(qo_indptr, "qo_indptr", dim=1, dtypes=(torch.int32,), device=dev)
+    check_tensor(qo_indptr, "qo_indptr", dim=1, dtypes=(torch.int32,), device=dev, like=like)
     check_shape(qo_indptr, "qo_indptr", (B + 1,), "B+1, like kv_indptr")
-    check_tensor(tree_mask, "tree_mask", dim=1, dtypes=(torch.int64,), device=dev)
-    check_shape(tree_mask, "tree_mask", (T,), "one word per query row")
+    check_tensor(tree_mask, "tree_mask", dim=1, dtypes=(torch.int64,), device=dev, like=like)
+    check_shape(tree_mask, "tree_mask", (T,), "one word per query row of q")
     if max_draft_tokens is not None and not (1 <= int(max_draft_tokens) <= MAX_DRAFT_TOKENS):
         raise ValueError(f"max_draft_tokens must be in [1, {MAX_DRAFT_TOKENS}], got {max_draft_tokens}")
     if values_checkable(kv_indptr, qo_indptr, kv_indices, tree_mask):
@@ -205,7 +209,7 @@ def mla_decode_attention(
     slot is the new token's). A request with no slot gets zeros and lse = -inf. Arguments,
     non-finite inputs, results and guarantees as there.
     """
-    kv2d = _check_inputs(q, kv_cache, kv_indptr, kv_indices, v_head_dim)
+    kv2d, _ = _check_inputs(q, kv_cache, kv_indptr, kv_indices, v_head_dim, (("out", out),))
     B = kv_indptr.numel() - 1
     if q.shape[0] != B:
         raise ValueError(f"q must have one row per request: q.shape[0]={q.shape[0]} but kv_indptr has B={B}")

@@ -13,7 +13,7 @@ from typing import Optional
 
 import torch
 
-from .._checks import FLOAT_DTYPES, _is_fake, check_shape, check_tensor
+from .._checks import FLOAT_DTYPES, _is_fake, check_shape, check_tensor, common_device
 from .._ops import cuda_ops, op_impls
 from . import reference, triton_kernel
 
@@ -70,13 +70,14 @@ def _check_no_partial_overlap(dst: torch.Tensor, dst_name: str, srcs: dict, may_
 
 def check_norm_args(x, residual, weight, eps, out_scale) -> None:
     """Checks shared with the communicator (spec_kernels.comm)."""
-    check_tensor(x, "x", dim=2, dtypes=FLOAT_DTYPES)
-    check_tensor(residual, "residual", dim=2, dtypes=(x.dtype,), device=x.device)
+    dev, like = common_device([("x", x), ("residual", residual), ("weight", weight)])
+    check_tensor(x, "x", dim=2, dtypes=FLOAT_DTYPES, device=dev, like=like)
+    check_tensor(residual, "residual", dim=2, dtypes=(x.dtype,), device=dev, like=like)
     check_shape(residual, "residual", tuple(x.shape), "like x")
     hidden = x.shape[1]
     if not 1 <= hidden <= MAX_HIDDEN:
         raise ValueError(f"x must have 1 <= hidden <= {MAX_HIDDEN} columns, got shape {tuple(x.shape)}")
-    check_tensor(weight, "weight", dim=1, dtypes=(x.dtype,), device=x.device)
+    check_tensor(weight, "weight", dim=1, dtypes=(x.dtype,), device=dev, like=like)
     check_shape(weight, "weight", (hidden,), "[hidden]")
     if not (isinstance(eps, (int, float)) and math.isfinite(eps) and eps >= 0):
         raise ValueError(f"eps must be a finite number >= 0, got {eps!r}")

@@ -23,6 +23,7 @@ from .._checks import (
     check_shape,
     check_tree_mask_values,
     check_tensor,
+    common_device,
     values_checkable,
 )
 from .._ops import cuda_ops, op_impls
@@ -97,13 +98,16 @@ def _(parents, qo_indptr, tree_mask, impl):
 
 
 # --------------------------------------------------------------------------- checks
-def _check_kv(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, kv_indptr, kv_indices):
-    check_tensor(q, "q", dim=3, dtypes=FLOAT_DTYPES)
-    dev = q.device
-    check_tensor(k_cache, "k_cache", dim=3, dtypes=(q.dtype,), device=dev)
-    check_tensor(v_cache, "v_cache", dim=3, dtypes=(q.dtype,), device=dev)
-    check_tensor(kv_indptr, "kv_indptr", dim=1, dtypes=(torch.int32,), device=dev)
-    check_tensor(kv_indices, "kv_indices", dim=1, dtypes=INDEX_DTYPES, device=dev)
+def _check_kv(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, kv_indptr, kv_indices, others=()):
+    """Metadata checks of the tensors every call has; returns the device all tensors (others
+    included: the call's other tensors, for the device vote) must be on and how errors name it."""
+    dev, like = common_device([("q", q), ("k_cache", k_cache), ("v_cache", v_cache), ("kv_indptr", kv_indptr),
+                               ("kv_indices", kv_indices), *others])
+    check_tensor(q, "q", dim=3, dtypes=FLOAT_DTYPES, device=dev, like=like)
+    check_tensor(k_cache, "k_cache", dim=3, dtypes=(q.dtype,), device=dev, like=like)
+    check_tensor(v_cache, "v_cache", dim=3, dtypes=(q.dtype,), device=dev, like=like)
+    check_tensor(kv_indptr, "kv_indptr", dim=1, dtypes=(torch.int32,), device=dev, like=like)
+    check_tensor(kv_indices, "kv_indices", dim=1, dtypes=INDEX_DTYPES, device=dev, like=like)
     _, Hq, D = q.shape
     S, Hkv, Dk = k_cache.shape
     if Dk != D:
@@ -118,6 +122,7 @@ def _check_kv(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, kv_
         raise ValueError(f"q heads ({Hq}) must be a multiple of k_cache heads ({Hkv})")
     if kv_indptr.numel() < 1:
         raise ValueError("kv_indptr must have B+1 >= 1 entries")
+    return dev, like
 
 
 def _check_out(out: Optional[torch.Tensor], q: torch.Tensor, dv: int) -> torch.Tensor:
@@ -125,7 +130,7 @@ def _check_out(out: Optional[torch.Tensor], q: torch.Tensor, dv: int) -> torch.T
     if out is None:
         return q.new_empty(shape)
     check_tensor(out, "out", dim=3, dtypes=(q.dtype,), device=q.device)
-    check_shape(out, "out", shape, "[T, Hq, Dv]")
+    check_shape(out, "out", shape, "[T, Hq, Dv]: the rows and heads of q")
     return out
 
 
@@ -139,7 +144,8 @@ def _check_kv_values(kv_indptr: torch.Tensor, kv_indices: torch.Tensor, num_slot
         if kv_len < n:
             raise ValueError(f"kv_indptr is inconsistent with qo_indptr: request {b} has {n} draft "
                              f"tokens but only {kv_len} KV slots (its drafts' slots must be the last n)")
-    check_index_range(kv_indices[kv_ptr[0]:kv_ptr[-1]], "kv_indices", num_slots, f"{cache_name}.shape[0]")
+    check_index_range(kv_indices[kv_ptr[0]:kv_ptr[-1]], "kv_indices", num_slots, f"{cache_name}.shape[0]",
+                      f" in the window kv_indptr[0]:kv_indptr[-1] = {kv_ptr[0]}:{kv_ptr[-1]}")
 
 
 def _check_draft_values(qo_indptr: torch.Tensor, kv_indptr: torch.Tensor, kv_indices: torch.Tensor,
@@ -241,14 +247,14 @@ def tree_verify_attention(
         >>> o = spec_kernels.tree_verify_attention(q, k_cache, v_cache, kv_indptr, kv_indices,
         ...                                        qo_indptr, mask)
     """
-    _check_kv(q, k_cache, v_cache, kv_indptr, kv_indices)
-    dev = q.device
+    dev, like = _check_kv(q, k_cache, v_cache, kv_indptr, kv_indices,
+                          (("qo_indptr", qo_indptr), ("tree_mask", tree_mask), ("out", out)))
     B = kv_indptr.numel() - 1
     T = q.shape[0]
-    check_tensor(qo_indptr, "qo_indptr", dim=1, dtypes=(torch.int32,), device=dev)
+    check_tensor(qo_indptr, "qo_indptr", dim=1, dtypes=(torch.int32,), device=dev, like=like)
     check_shape(qo_indptr, "qo_indptr", (B + 1,), "B+1, like kv_indptr")
-    check_tensor(tree_mask, "tree_mask", dim=1, dtypes=(torch.int64,), device=dev)
-    check_shape(tree_mask, "tree_mask", (T,), "one word per query row")
+    check_tensor(tree_mask, "tree_mask", dim=1, dtypes=(torch.int64,), device=dev, like=like)
+    check_shape(tree_mask, "tree_mask", (T,), "one word per query row of q")
     if max_draft_tokens is not None and not (1 <= int(max_draft_tokens) <= MAX_DRAFT_TOKENS):
         raise ValueError(f"max_draft_tokens must be in [1, {MAX_DRAFT_TOKENS}], got {max_draft_tokens}")
     if values_checkable(kv_indptr, qo_indptr, kv_indices, tree_mask):
@@ -277,7 +283,7 @@ def decode_attention(
     kv_indptr[-1] <= len(kv_indices)). A request with no slot gets zeros and lse = -inf.
     Arguments, non-finite inputs, results and guarantees as there.
     """
-    _check_kv(q, k_cache, v_cache, kv_indptr, kv_indices)
+    _check_kv(q, k_cache, v_cache, kv_indptr, kv_indices, (("out", out),))
     B = kv_indptr.numel() - 1
     if q.shape[0] != B:
         raise ValueError(f"q must have one row per request: q.shape[0]={q.shape[0]} but kv_indptr has B={B}")
@@ -316,8 +322,9 @@ def tree_mask_from_parents(parents: torch.Tensor, qo_indptr: torch.Tensor, impl:
     qo_indptr is cut to [0, T) like in tree_verify_attention (rows no request claims are left
     unwritten); never a bad access.
     """
-    check_tensor(parents, "parents", dim=1, dtypes=INDEX_DTYPES)
-    check_tensor(qo_indptr, "qo_indptr", dim=1, dtypes=(torch.int32,), device=parents.device)
+    dev, like = common_device([("parents", parents), ("qo_indptr", qo_indptr)])
+    check_tensor(parents, "parents", dim=1, dtypes=INDEX_DTYPES, device=dev, like=like)
+    check_tensor(qo_indptr, "qo_indptr", dim=1, dtypes=(torch.int32,), device=dev, like=like)
     if qo_indptr.numel() < 1:
         raise ValueError("qo_indptr must have B+1 >= 1 entries")
     T = parents.shape[0]
@@ -331,7 +338,8 @@ def tree_mask_from_parents(parents: torch.Tensor, qo_indptr: torch.Tensor, impl:
                 p = pv[qo[b] + i]
                 if not -1 <= p < i:
                     raise ValueError(f"parents[{qo[b] + i}] = {p} (request {b}, draft {i}) must be -1 or "
-                                     f"the index of an earlier draft of the same request (0..{i - 1})")
+                                     f"the index of an earlier draft of the same request (0..{i - 1}; requests as "
+                                     f"qo_indptr gives them)")
     tree_mask = torch.empty(T, dtype=torch.int64, device=parents.device)
     torch.ops.spec_kernels.tree_mask_from_parents(parents, qo_indptr, tree_mask, impl or "")
     return tree_mask
