@@ -117,6 +117,26 @@ def test_patched_source_is_recompiled_then_cached(tmp_path, monkeypatch):
         build.cuda_ptx_from_source(text + "\nthis does not compile;\n", "sm_120a", name)
 
 
+@needs_nvcc
+def test_header_edit_is_recompiled(tmp_path, monkeypatch):
+    """The cache key covers csrc/include: editing a header recompiles the .cu files using it."""
+    import shutil
+
+    csrc = tmp_path / "csrc"
+    shutil.copytree(os.path.join(build.REPO, "csrc"), csrc)
+    monkeypatch.setattr(build, "CSRC", str(csrc))
+    monkeypatch.setattr(build, "INCLUDE", str(csrc / "include"))
+    monkeypatch.setenv("PTXSIM_CACHE_DIR", str(tmp_path / "cache"))
+    cu = str(csrc / "tree_verify" / "tree_mask.cu")
+    first = build.cuda_ptx_info(cu, "sm_120a")
+    assert build.cuda_ptx_info(cu, "sm_120a").cached
+    header = csrc / "include" / "spec_kernels" / "kv_index.cuh"
+    header.write_text(header.read_text() + "\n// edited\n")
+    edited = build.cuda_ptx_info(cu, "sm_120a")
+    assert not first.cached and not edited.cached and edited.key != first.key
+    assert f"-I{csrc / 'include'}" in edited.flags
+
+
 def _unsupported_or_fail():
     unsupported = census.load_unsupported()
     assert unsupported is not None, "tools.ptxsim.isa.unsupported is missing"
