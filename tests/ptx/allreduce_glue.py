@@ -140,6 +140,7 @@ class RankInput:
     weight: Optional[torch.Tensor] = None
     eps: float = 1e-6
     out_scale: Optional[float] = None
+    in_place: bool = False  # out is x and residual_out is residual (what FusedAllReduce allows)
 
 
 @dataclasses.dataclass
@@ -208,6 +209,13 @@ class SimRanks:
         a = self.m.download(self.bases[rank] + STATE_OFFSET, np.uint32, (K_MAX_BLOCKS, 4))
         return a[: self.num_blocks, :3].copy()
 
+    def set_call_counter(self, seq: int) -> None:
+        """Set every block's device call counter on every rank (as after `seq` calls)."""
+        for base in self.bases:
+            state = self.m.download(base + STATE_OFFSET, np.uint32, (K_MAX_BLOCKS, 4))
+            state[:, 0] = seq
+            self.m.write(base + STATE_OFFSET, state)
+
     def error_word(self, rank: int) -> dict:
         raw = self.m.download(self.errors[rank], np.uint8, (ctypes.sizeof(ErrorWord),))
         return ErrorWord.from_buffer_copy(raw.tobytes()).as_dict()
@@ -266,14 +274,19 @@ class SimRanks:
             m = self.m
             ptrs = {"x": m.upload(_np(x), f"x rank{rank}")}
             out_dtype = torch.float8_e4m3fn if fp8 else self.dtype
-            if fp8:
+            if inp.in_place and fp8:
+                raise ValueError("an fp8 out cannot be x")
+            if inp.in_place:
+                ptrs["out"] = ptrs["x"]
+            elif fp8:
                 ptrs["out"] = m.upload(np.full(x.numel(), _POISON8, np.uint8), f"out rank{rank}")
             else:
                 ptrs["out"] = m.upload(np.full(x.numel(), _POISON16, np.uint16), f"out rank{rank}")
             if fused:
                 ptrs["residual"] = m.upload(_np(inp.residual), f"residual rank{rank}")
                 ptrs["weight"] = m.upload(_np(inp.weight), f"weight rank{rank}")
-                ptrs["residual_out"] = m.upload(np.full(x.numel(), _POISON16, np.uint16), f"residual_out rank{rank}")
+                ptrs["residual_out"] = ptrs["residual"] if inp.in_place else \
+                    m.upload(np.full(x.numel(), _POISON16, np.uint16), f"residual_out rank{rank}")
             threads, items = row_launch(x.shape[1] // 8, 2)
             e = self.entry(algo, fp8, items)
             raw = self.params(algo, rank, inp, ptrs, timeout_ns)

@@ -154,6 +154,33 @@ def test_two_items_per_thread(algorithm):
     _check(sim.call(algorithm, inputs), inputs, dtype)
 
 
+@pytest.mark.parametrize("algorithm", ALGOS)
+def test_call_counter_wrap(algorithm):
+    """Across the uint32 wrap of the device call counter (days of decoding): next_seq() goes
+    0xfffffffe -> 0xffffffff -> 2 -> 3, keeping the flag / staging parity; results stay right."""
+    dtype, world, hidden = torch.bfloat16, 2, 64
+    gen = torch.Generator().manual_seed(61 + ALGORITHMS[algorithm])
+    sim = SimRanks(world, hidden, dtype, max_tokens=4, num_blocks=2)
+    sim.set_call_counter(0xFFFFFFFD)
+    for rows, want in ((3, 0xFFFFFFFE), (4, 0xFFFFFFFF), (2, 2), (3, 3)):
+        inputs = _make(world, rows, hidden, dtype, "sum", gen)
+        _check(sim.call(algorithm, inputs), inputs, dtype)
+        for rank in range(world):
+            assert (sim.block_state(rank)[:, 0] == want).all()
+
+
+@pytest.mark.parametrize("algorithm", ["oneshot_push", "twoshot"])
+def test_in_place(algorithm):
+    """out = x and residual_out = residual (FusedAllReduce allows both)."""
+    dtype, world, hidden, rows = torch.float16, 2, 64, 3
+    gen = torch.Generator().manual_seed(71)
+    sim = SimRanks(world, hidden, dtype, max_tokens=4, num_blocks=2)
+    inputs = _make(world, rows, hidden, dtype, "fused", gen)
+    copies = [RankInput(i.x.clone(), i.residual.clone(), i.weight, i.eps, None, True) for i in inputs]
+    results = sim.call(algorithm, copies)
+    _check(results, inputs, dtype)
+
+
 def _assert_failed_and_inert(sim, algorithm, inputs, words, gen):
     """A call after a failure does nothing on the failed ranks: no output, no counter change, the
     first error word kept."""
@@ -228,6 +255,16 @@ def test_missing_rank_times_out(world, algorithm, timeout_ns):
         assert (_bits(res.out) == 0x7E7E).all(), f"rank {rank} wrote output without its peer"
         words[rank] = e
     _assert_failed_and_inert(sim, algorithm, inputs, words, gen)
+    # The missing rank was only late: it finds every peer's flags / data of call 1 still there.
+    # The one-shot algorithms complete call 1 correctly on it (its failure shows at its next
+    # call); two-shot needs the peers' second round, which never comes: it times out too.
+    late = sim.call(algorithm, [None] * (world - 1) + [RankInput(inputs[-2].x.clone())])[-1]
+    inputs[-1] = RankInput(inputs[-2].x.clone())
+    if algorithm == "twoshot":
+        assert late.error["code"] == K_TIMEOUT and late.error["peer"] != world - 1, late.error
+        assert (_bits(late.out) == 0x7E7E).all()
+    else:
+        _check([late], inputs, dtype)
 
 
 # struct Signals: flags[2][2][128][8] (u64) come first, then push_headers[3][128][8].
