@@ -204,3 +204,21 @@ def test_uninitialised_shared_read_is_reported():
     m = Machine()
     with pytest.raises(SimError, match="nothing wrote"):
         run(m, p, "k", (1,), (64,), [m.alloc(256)])
+
+
+def test_bfi(ptx):
+    rng = np.random.default_rng(4)
+    a = rng.integers(0, 2 ** 32, 64, dtype=np.uint64).astype(np.uint32)
+    b = rng.integers(0, 2 ** 32, 64, dtype=np.uint64).astype(np.uint32)
+    pos = rng.integers(0, 40, 64).astype(np.uint32)
+    ln = rng.integers(0, 40, 64).astype(np.uint32)
+    m = Machine()
+    o = m.alloc(256)
+    run(m, ptx, "bfi_op", (1,), (64,), [m.upload(a), m.upload(b), m.upload(pos | (ln << 8)), o])
+    got = m.download(o, np.uint32, (64,))
+    for i in range(64):
+        p, l, want = int(pos[i]), int(ln[i]), int(b[i])
+        if l and p < 32:
+            mask = (((1 << l) - 1) << p) & 0xFFFFFFFF
+            want = (want & ~mask & 0xFFFFFFFF) | ((int(a[i]) << p) & mask)
+        assert int(got[i]) == want, (i, p, l)

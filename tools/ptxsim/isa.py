@@ -14,7 +14,7 @@ _NOT_MODELLED_PREFIXES = ("wgmma", "tcgen05", "mbarrier", "cp.async.bulk", "cp.r
                           "fence.proxy", "setmaxnreg", "elect", "griddepcontrol", "bar.arrive", "brx")
 
 _BASE_OK = {"mov", "add", "sub", "mul", "mad", "fma", "div", "rem", "and", "or", "xor", "not", "shl", "shr",
-            "shf", "bfe", "prmt", "popc", "clz", "brev", "neg", "abs", "min", "max", "setp", "selp", "cvt", "cvta", "ex2",
+            "shf", "bfe", "bfi", "prmt", "popc", "clz", "brev", "neg", "abs", "min", "max", "setp", "selp", "cvt", "cvta", "ex2",
             "rsqrt", "rcp", "sqrt", "lg2", "ld", "st", "atom", "red", "membar", "fence", "shfl", "redux", "vote",
             "ldmatrix", "stmatrix", "mma", "cp", "bra", "ret", "exit", "trap", "bar", "barrier", "nanosleep"}
 

@@ -693,6 +693,32 @@ def h_bfe(c, parts, ops, pc):
     return _op(lambda sel, tids: dst(sel, tids, _bfe(_bcast(fa(sel, tids), tids), fb(sel, tids), fc(sel, tids), typ)))
 
 
+def h_bfi(c, parts, ops, pc):
+    """bfi.b32/b64 f, a, b, c, d: b with bits [c, c + d) replaced by the low d bits of a
+    (c and d use their low 8 bits; bits past the width are dropped)."""
+    typ = _type_of(parts)
+    w = 8 * _tsize(typ)
+    fa, fb, fc, fd, dst = (c.rd(ops[1], typ), c.rd(ops[2], typ), c.rd(ops[3], "u32"), c.rd(ops[4], "u32"),
+                           c.wr(ops[0], typ))
+    un = _UNS[w // 8]
+
+    def f(sel, tids):
+        a = _bcast(fa(sel, tids), tids).view(un).astype(object)
+        b = _bcast(fb(sel, tids), tids).view(un).astype(object)
+        pos = _bcast(fc(sel, tids), tids).astype(np.int64) & 0xFF
+        ln = _bcast(fd(sel, tids), tids).astype(np.int64) & 0xFF
+        out = []
+        for x, y, p_, l_ in zip(a, b, pos, ln):
+            p_, l_ = int(p_), int(l_)
+            if l_ == 0 or p_ >= w:
+                out.append(int(y))
+                continue
+            mask = (((1 << l_) - 1) << p_) & ((1 << w) - 1)
+            out.append((int(y) & ~mask & ((1 << w) - 1)) | ((int(x) << p_) & mask))
+        dst(sel, tids, np.array(out, dtype=np.uint64).astype(un).view(_NP[typ]))
+    return _op(f)
+
+
 def h_prmt(c, parts, ops, pc):
     if len(parts) > 2 and parts[1] != "b32":
         raise SimError(f"{'.'.join(parts)}: only the default prmt mode is modelled")
@@ -1437,7 +1463,7 @@ _HANDLERS = {
     "sub": _arith(lambda a, b, m, t: a - b, lambda a, b, m, t: a - b),
     "mul": h_mul, "mad": h_mad, "fma": _arith(None, _fma), "div": h_div, "rem": h_rem,
     "and": h_logic("and"), "or": h_logic("or"), "xor": h_logic("xor"), "not": h_logic("not"),
-    "shl": _arith(_shl), "shr": _arith(_shr), "shf": h_shf, "bfe": h_bfe, "prmt": h_prmt, "popc": h_popc, "clz": h_clz, "brev": h_brev,
+    "shl": _arith(_shl), "shr": _arith(_shr), "shf": h_shf, "bfe": h_bfe, "bfi": h_bfi, "prmt": h_prmt, "popc": h_popc, "clz": h_clz, "brev": h_brev,
     "neg": h_neg, "abs": h_abs, "min": h_minmax("min"), "max": h_minmax("max"),
     "setp": h_setp, "selp": h_selp, "cvt": h_cvt, "cvta": h_cvta,
     "ex2": h_float1(_ex2, True), "rsqrt": h_float1(_rsqrt, True), "rcp": h_float1(_rcp, True),

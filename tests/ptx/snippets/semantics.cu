@@ -129,3 +129,10 @@ extern "C" __global__ void spin_forever(volatile int* flag) {
   while (*flag == 0) {
   }
 }
+
+extern "C" __global__ void bfi_op(const uint32_t* a, const uint32_t* b, const uint32_t* pos_len, uint32_t* out) {
+  const int i = threadIdx.x;
+  uint32_t r;
+  asm("bfi.b32 %0, %1, %2, %3, %4;" : "=r"(r) : "r"(a[i]), "r"(b[i]), "r"(pos_len[i] & 0xff), "r"(pos_len[i] >> 8));
+  out[i] = r;
+}
