@@ -18,3 +18,14 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if os.path.abspath(str(item.fspath)).startswith(HERE + os.sep):
             item.add_marker(pytest.mark.ptx)
+
+
+def pytest_runtest_setup(item):
+    """Every test here compiles kernels with nvcc: without it, skip with the reason (never pass)."""
+    if os.path.abspath(str(item.fspath)).startswith(HERE + os.sep) and not _nvcc():
+        pytest.skip("nvcc not found: the PTX tests compile the kernels (set CUDA_HOME)")
+
+
+def _nvcc():
+    from tools.ptxsim.build import find_nvcc
+    return find_nvcc()
