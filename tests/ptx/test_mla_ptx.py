@@ -162,3 +162,59 @@ def test_nan_in_a_cached_row_follows_the_reference(ops):
     nan_cols = torch.isnan(out[0]).any(0).nonzero().flatten().tolist()
     assert nan_cols == [100] and torch.isfinite(lse[0]).all()
     assert_matches(c, out, lse, ref, ref_lse)
+
+
+def _invalid_cases():
+    """Unchecked invalid index values (the CPU API refuses them; on a GPU they reach the kernel
+    without debug checks): every one must stay inside the tensors (the interpreter raises on any
+    out-of-bounds access) and give the reference's rows for the queries some request claims."""
+    i32 = dict(dtype=torch.int32)
+    base = make_case([3, 2, 4, 1], [10, 0, 20, 5], 1, torch.bfloat16, seed=33)  # kv_indptr 0 13 15 39 45
+    bad_slots = base["kv_indices"].clone()
+    bad_slots[[2, 20, 44]] = torch.tensor([-7, 10**6, base["kv_cache"].shape[0]], dtype=bad_slots.dtype)
+    g = torch.Generator().manual_seed(33)
+    changes = {
+        "negative_kv_indptr": dict(kv_indptr=torch.tensor([-3, 13, 15, 39, 45], **i32)),
+        "negative_qo_and_kv": dict(qo_indptr=torch.tensor([0, -1, 5, 9, 10], **i32),
+                                   kv_indptr=torch.tensor([0, -4, 15, 39, 45], **i32)),
+        "decreasing_kv_indptr": dict(kv_indptr=torch.tensor([0, 13, 15, 2, 45], **i32)),
+        "unordered_qo_indptr": dict(qo_indptr=torch.tensor([6, 8, 2, 5, 6], **i32)),
+        "kv_indptr_past_the_end": dict(kv_indptr=torch.tensor([0, 13, 15, 39, 10**6], **i32)),
+        "bad_slot_ids": dict(kv_indices=bad_slots),
+        "garbage_mask_bits": dict(tree_mask=torch.randint(-2**63, 2**63 - 1, (10,), generator=g)),
+        "more_drafts_than_the_bound": dict(max_draft_tokens=2),
+    }
+    return {name: {**base, "max_draft_tokens": 0, **c} for name, c in changes.items()}
+
+
+INVALID = _invalid_cases()
+
+
+def _claimed(qo_indptr, bound, T):
+    """Query rows some request owns after the kernels cut qo_indptr to [0, T] and n_b to the bound."""
+    qo, claimed = qo_indptr.tolist(), torch.zeros(T, dtype=torch.bool)
+    for b in range(len(qo) - 1):
+        lo = min(max(qo[b], 0), T)
+        claimed[lo:min(min(max(qo[b + 1], lo), T), lo + bound)] = True
+    return claimed
+
+
+@pytest.mark.parametrize("name,splits", [(name, 1 + i % 2) for i, name in enumerate(INVALID)])
+def test_unchecked_invalid_indices_stay_in_bounds_and_match_the_reference(ops, name, splits):
+    c = INVALID[name]
+    q = c["q"]
+    T, H, _ = q.shape
+    args = (q, c["kv_cache"], c["kv_indptr"], c["kv_indices"], c["qo_indptr"], c["tree_mask"], 0.04, DV)
+    out, lse = torch.full((T, H, DV), 7.0, dtype=q.dtype), torch.full((T, H), 7.0)
+    mla_cuda.mla_tree_verify_attention(*args, out, lse, num_kv_splits=splits, max_draft_tokens=c["max_draft_tokens"])
+    ref, ref_lse = torch.full_like(out, 7.0), torch.full_like(lse, 7.0)
+    reference.mla_tree_verify_attention(*args, ref, ref_lse, c["max_draft_tokens"])
+    claimed = _claimed(c["qo_indptr"], c["max_draft_tokens"] or 64, T)
+    assert claimed.sum() >= 4 and torch.isfinite(out[claimed]).all()
+    if splits == 1:  # without the combine pass, rows no request claims are not written
+        assert torch.all(out[~claimed] == 7.0) and torch.all(lse[~claimed] == 7.0)
+    # the claimed rows: the tolerance of assert_matches (a row that sees nothing: 0 and -inf on both sides)
+    vmax = c["kv_cache"][:, :DV].float().abs().max().item()
+    torch.testing.assert_close(out[claimed].float(), ref[claimed].float(), atol=HALF_ULP[q.dtype] * vmax,
+                               rtol=2 * HALF_ULP[q.dtype])
+    torch.testing.assert_close(lse[claimed], ref_lse[claimed], atol=1e-5, rtol=1e-5)
