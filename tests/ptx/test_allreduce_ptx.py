@@ -20,6 +20,10 @@ st.release / ld.acquire and volatile accesses are sufficient on real hardware (t
 vectors, a flag landing before the data it publishes, stores landing out of order), and each
 call's launches start together, so no rank runs a whole call ahead of another; both are what the
 emulator's store-buffer model with randomised rank speeds explores.
+
+Two strict xfails reproduce a problem of the push path on the compiled kernel: it re-arms the
+previous push call's rows with the current call's row size, which is wrong when hidden changes
+between calls on the same buffers (FusedAllReduce keeps hidden fixed; the raw op does not).
 """
 from __future__ import annotations
 
@@ -29,6 +33,8 @@ import pytest
 import torch
 
 import spec_kernels
+
+from tools.ptxsim.memory import SimError
 
 from allreduce_glue import (ALGORITHMS, K_SIZE_MISMATCH, K_TIMEOUT, SENTINEL_PAIR, ErrorWord, Params, RankInput,
                              SimRanks, check_params_match_ptx)
@@ -299,3 +305,16 @@ def test_push_rearm_after_hidden_change():
     assert res.error["code"] == K_TIMEOUT and res.error["peer"] == 1, \
         f"rank 0 finished call 4 without rank 1's rows 1-2 (error word {res.error})"
     assert (_bits(res.out[1:]) == 0x7E7E).all()  # row 0 (complete from both ranks) may be done
+
+
+@pytest.mark.xfail(strict=True, raises=SimError, reason="oneshot_push re-arms the previous push call's "
+                   "last_push_rows rows at the CURRENT row size: after 16 rows of hidden 64, a call with one row "
+                   "of hidden 1024 (the same bytes) writes the sentinel over 16 x 2048 bytes per sender, through "
+                   "the current slot and past the end of the buffer (fused_allreduce.cu, the re-arm loop)")
+def test_push_rearm_stays_in_its_slot():
+    dtype, world = torch.float16, 2
+    gen = torch.Generator().manual_seed(81)
+    sim = SimRanks(world, 64, dtype, max_tokens=16, num_blocks=2)
+    for rows, hidden in ((16, 64), (1, 1024)):
+        inputs = _make(world, rows, hidden, dtype, "sum", gen)
+        _check(sim.call("oneshot_push", inputs), inputs, dtype)
