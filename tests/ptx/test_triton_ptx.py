@@ -114,6 +114,34 @@ def test_tree_verify_autotune_configs(tile):
     _check_attention(out, lse, ref, ref_lse, dtype)
 
 
+def test_tree_verify_head_dim_256_without_lse():
+    """Head dim 256 (the launcher's narrower fixed tile: 32 keys, 2 stages, 8 warps) and no lse
+    output (WRITE_LSE off), 2 splits + merge."""
+    dtype = torch.bfloat16
+    case = make_case([2, 3], [20, 45], hq=2, hkv=1, d=256, dtype=dtype, kind="wide", seed=7)
+    ref = spec_kernels.tree_verify_attention(*_f32(case.args), impl="reference")
+    runner = TritonPtxRunner()
+    with runner.active():
+        out = spec_kernels.tree_verify_attention(*case.args, impl="triton", num_kv_splits=2)
+    fwd = runner.launches[0]
+    assert (fwd.config["BLOCK_N"], fwd.config["num_stages"], fwd.block[0]) == (32, 2, 256)
+    assert not fwd.config["WRITE_LSE"]
+    torch.testing.assert_close(out.float(), ref, atol=TOL[dtype], rtol=TOL[dtype])
+
+
+def test_tree_verify_fp32_ieee():
+    """fp32 inputs: exact fp32 dots (IEEE_DOT, FMA loops instead of mma), 16-key tiles, 8 warps.
+    Only the exp2 (ex2.approx, ~2 ulp) and the summation order differ from the reference: 1e-4."""
+    case = make_case([4, 1], [33, 0], hq=4, hkv=2, d=64, dtype=torch.float32, seed=8)
+    ref, ref_lse = spec_kernels.tree_verify_attention(*case.args, return_lse=True, impl="reference")
+    runner = TritonPtxRunner()
+    with runner.active():
+        out, lse = spec_kernels.tree_verify_attention(*case.args, return_lse=True, impl="triton", num_kv_splits=1)
+    assert runner.launches[0].config["IEEE_DOT"] and runner.launches[0].config["BLOCK_N"] == 16
+    torch.testing.assert_close(out, ref, atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(lse, ref_lse, atol=1e-4, rtol=1e-4)
+
+
 def test_tree_verify_launch_configs_are_the_enumerated_ones():
     """The fixed tile the launcher picks for a GPU (the glue's default) is the one
     tools/triton_compile_report.py lists for that shape class (64 keys, 3 stages, 4 warps at D 64)."""

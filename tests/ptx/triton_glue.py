@@ -94,7 +94,7 @@ def _serve() -> None:
             fn = getattr(importlib.import_module(req["module"]), req["kernel"])
             key = rep._specialisation_key(fn, mock(req["args"]), req["kwargs"], req["arch"])
             job = build.TritonJob(req["kernel"], req["kernel"], req.get("config", ""), [], req["arch"], req["module"],
-                                  key, types.SimpleNamespace(args=req["args"], kwargs=req["kwargs"]))
+                                  key, args=req["args"], kwargs=req["kwargs"])
             res = build.triton_ptx_for_job(job)
             ans = dict(ok=True, **{k: getattr(res, k) for k in ("ptx", "name", "arch", "num_warps", "num_stages",
                                                                "shared", "params", "constexprs", "triton_version",
