@@ -112,6 +112,22 @@ def test_matches_reference(ops, dtype, hidden, offset, expect):
 @pytest.mark.parametrize(
     "dtype,hidden,expect",
     [
+        # the largest rows (hidden <= 16384): 1024 threads with 4 float4 vectors / 16 scalars each
+        pytest.param(torch.float32, 16384, "IffLi4ELi4E", id="f32-vec-4-per-thread"),
+        pytest.param(torch.float16, 16383, "6__halfS2_Li1ELi16E", id="f16-scalar-16-per-thread"),
+    ],
+)
+def test_largest_rows(ops, dtype, hidden, expect):
+    x, residual, weight = inputs(1, hidden, dtype, seed=11)
+    out, res, ref_out, ref_res = run_both(ops, x, residual, weight)
+    assert_matches(out, res, ref_out, ref_res)
+    name, grid, block = kernel_name(ops)
+    assert name.endswith(expect) and grid == (1,) and block == (1024,)
+
+
+@pytest.mark.parametrize(
+    "dtype,hidden,expect",
+    [
         pytest.param(torch.bfloat16, 40, "13__nv_bfloat1613__nv_fp8_e4m3Li8ELi1E", id="bf16-vec"),
         pytest.param(torch.float16, 21, "6__half13__nv_fp8_e4m3Li1ELi1E", id="f16-scalar"),
         pytest.param(torch.float32, 64, "If13__nv_fp8_e4m3Li4ELi1E", id="f32-vec"),
@@ -140,14 +156,17 @@ def test_in_place(ops, dtype, hidden):
 
 # NaN inputs: the interpreter's numpy arithmetic warns about the NaN it computes, as it should.
 @pytest.mark.filterwarnings("ignore:invalid value encountered")
-def test_nan_rows_follow_the_reference(ops):
-    """A NaN input element makes its row's out NaN (the row's mean square is NaN) and only that
-    element of residual_out; an all-zero row with eps=0 is 0 * rsqrt(0) = NaN."""
+@pytest.mark.parametrize("out_scale", [None, 0.5], ids=["bf16-out", "fp8-out"])
+def test_nan_rows_follow_the_reference(ops, out_scale):
+    """A NaN input element makes its row's out NaN (the row's mean square is NaN; fp8: the NaN
+    encoding, not a saturated 448) and only that element of residual_out; an all-zero row with
+    eps=0 is 0 * rsqrt(0) = NaN."""
     x, residual, weight = inputs(3, 40, torch.bfloat16, seed=9)
     x[0, 7] = float("nan")
     x[2] = 0
     residual[2] = 0
-    out, res, ref_out, ref_res = run_both(ops, x, residual, weight, eps=0.0)
-    assert torch.isnan(out[0]).all() and torch.isnan(out[2]).all() and not torch.isnan(out[1]).any()
+    out, res, ref_out, ref_res = run_both(ops, x, residual, weight, eps=0.0, out_scale=out_scale)
+    nan = out.float().isnan()
+    assert nan[0].all() and nan[2].all() and not nan[1].any()
     assert torch.isnan(res).nonzero().tolist() == [[0, 7]]
     assert_matches(out, res, ref_out, ref_res)
