@@ -175,7 +175,7 @@ class PtxCudaOps:
         m = self._machine()
         buf = _Buffers(m)
         p = MlaParams()
-        p.q, p.kv_cache = buf.ptr(q), buf.ptr(kv_cache)
+        p.q, p.kv_cache = buf.ptr(q, "q"), buf.ptr(kv_cache, "kv_cache")
         p.kv_indptr, p.kv_indices = buf.ptr(kv_indptr), buf.ptr(kv_indices)
         p.kv_indices_int64 = kv_indices.dtype == torch.int64
         p.qo_indptr = buf.ptr(qo_indptr) if qo_indptr is not None else 0

@@ -98,6 +98,23 @@ def assert_matches(c, out, lse, ref, ref_lse):
     torch.testing.assert_close(lse, ref_lse, atol=1e-5, rtol=1e-5, equal_nan=True)
 
 
+def assert_reads_each_kv_row_once_per_row_block(ops, c, max_rows):
+    """The kernel's point: every (request, 16/32-row block) CTA streams the request's KV rows once
+    for all its query rows, over all splits together (prefix shares + the tail in the last split),
+    and the swizzled 1152-byte rows give no shared-memory bank conflicts (cp.async stores,
+    ldmatrix of Q, K and V^T)."""
+    H = c["q"].shape[1]
+    block_m = mla_cuda.block_m(max_rows)
+    kv = c["kv_indptr"].tolist()
+    qo = c["qo_indptr"].tolist() if c["qo_indptr"] is not None else list(range(len(kv)))
+    rows = [min((qo[b + 1] - qo[b]) * H, max_rows) for b in range(len(kv) - 1)]
+    expected = sum(-(-r // block_m) * (kv[b + 1] - kv[b]) for b, r in enumerate(rows)) * D * 2
+    (stats,) = [st for name, *_, st in ops.launches if "mla_tree_verify_kernel" in name]
+    assert stats.region_read["kv_cache"] == expected, stats.region_read
+    conflicts = {k: int(v) for k, v in stats.bank_conflicts.items() if v}
+    assert not conflicts, conflicts
+
+
 @pytest.mark.parametrize(
     "dtype,ns,prefixes,heads,splits,max_draft,index_dtype",
     [
@@ -126,6 +143,7 @@ def test_tree_verify_matches_reference(ops, dtype, ns, prefixes, heads, splits, 
     assert any("mla_merge_splits_kernel" in n for n in names) == (splits > 1)
     grid_y = {g[1] for name, g, *_ in ops.launches if "mla_tree_verify_kernel" in name}
     assert grid_y == {splits}
+    assert_reads_each_kv_row_once_per_row_block(ops, c, min(sum(ns), max_draft or 64) * heads)
 
 
 @pytest.mark.parametrize(
@@ -142,6 +160,7 @@ def test_decode_matches_reference(ops, dtype, prefixes, heads, splits):
     c = make_case(None, prefixes, heads, dtype, decode=True, seed=7 + heads)
     out, lse, ref, ref_lse = run_both(c, splits=splits)
     assert_matches(c, out, lse, ref, ref_lse)
+    assert_reads_each_kv_row_once_per_row_block(ops, c, heads)
     if prefixes[0] == 0:  # a request with no key: zeros and lse = -inf, not NaN
         assert torch.equal(out[0].float(), torch.zeros_like(out[0].float()))
         assert torch.isneginf(lse[0]).all()
