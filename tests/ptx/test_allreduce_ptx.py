@@ -273,8 +273,31 @@ def test_missing_rank_times_out(world, algorithm, timeout_ns):
         _check([late], inputs, dtype)
 
 
+
+
 # struct Signals: flags[2][2][128][8] (u64) come first, then push_headers[3][128][8].
 _PUSH_HEADERS = 2 * 2 * 128 * 8 * 8
+
+
+def _send_push_header(sim, to, sender, seq, nbytes, slot, block=0):
+    """Store `sender`'s push header word of call `seq` into rank `to`'s buffer (what the sender's
+    first store of a push call does)."""
+    word = torch.tensor([(seq << 32) | nbytes], dtype=torch.int64)
+    sim.m.write(sim.bases[to] + _PUSH_HEADERS + ((slot * 128 + block) * 8 + sender) * 8, word.numpy())
+
+
+def test_push_data_poll_times_out():
+    """Rank 1 sent its header but none of its rows: rank 0 passes the header wait, polls the
+    sentinel of rank 1's rows and gives up after timeout_ns instead of hanging."""
+    dtype, world, hidden, rows = torch.float16, 2, 64, 3
+    gen = torch.Generator().manual_seed(91)
+    sim = SimRanks(world, hidden, dtype, max_tokens=4, num_blocks=1, timeout_ns=1)
+    _send_push_header(sim, 0, 1, 1, rows * hidden * 2, 1)
+    res = sim.call("oneshot_push", [RankInput(torch.randn(rows, hidden, generator=gen).to(dtype)), None])[0]
+    e = res.error
+    assert (e["code"], e["seq"], e["rank"], e["peer"], e["algorithm"]) == (K_TIMEOUT, 1, 0, 1, 0), e
+    assert (_bits(res.out) == 0x7E7E).all()
+    assert (sim.block_state(0)[:, 0] == 0).all()  # the failed call is not counted
 
 
 @pytest.mark.xfail(strict=True, reason="oneshot_push re-arms the previous push call's rows with the CURRENT "
@@ -295,9 +318,8 @@ def test_push_rearm_after_hidden_change():
         _check(sim.call("oneshot_push", inputs), inputs, dtype)
     x0, x1 = (torch.randn(3, 264, generator=gen).to(dtype) for _ in range(2))
     seq, slot, nbytes = 4, 4 % 3, 3 * 264 * 2
-    header = torch.tensor([(seq << 32) | nbytes], dtype=torch.int64)
+    _send_push_header(sim, 0, 1, seq, nbytes, slot)
     base0 = sim.bases[0]
-    sim.m.write(base0 + _PUSH_HEADERS + ((slot * 128 + 0) * 8 + 1) * 8, header.numpy())
     row0 = x1[0].clone()
     row0[row0.view(torch.int16) == -32768] = 0.0  # what the sender sends for -0.0
     sim.m.write(base0 + sim.layout.push[slot] + 1 * sim.push_stride, row0.view(torch.int16).numpy())
