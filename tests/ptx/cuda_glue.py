@@ -361,24 +361,29 @@ def _kv_slot_batch(buf, req_to_token, req_pool_indices, seq_lens, num_draft, fre
 
 class _KvRegions:
     """The KV buffers a commit's kv_table points at (int64 [3, n]: address in this process, row
-    stride bytes, row bytes): each buffer's rows copied into the simulated memory, the table
-    rewritten with the simulated addresses, and the rows copied back after the run."""
+    stride bytes, row bytes): their bytes copied into the simulated memory (buffers whose spans
+    overlap, e.g. K and V as interleaved views of one tensor, share one region), the table
+    rewritten with the simulated addresses, and the bytes copied back after the run."""
 
     def __init__(self, m: Machine, kv_table, kv_rows):
         self.m = m
         rows = kv_table.cpu().tolist()
-        self.spans = []
-        sim = []
-        for base, stride, row_bytes in zip(*rows):
-            extent = (kv_rows - 1) * stride + row_bytes
-            data = np.frombuffer(ctypes.string_at(base, extent), np.uint8).copy()
-            addr = m.upload(data, f"kv{len(self.spans)}")
-            self.spans.append((base, extent, addr))
-            sim.append(addr)
+        spans = [(base, base + (kv_rows - 1) * stride + row_bytes) for base, stride, row_bytes in zip(*rows)]
+        merged = []
+        for lo, hi in sorted(spans):
+            if merged and lo < merged[-1][1]:
+                merged[-1][1] = max(merged[-1][1], hi)
+            else:
+                merged.append([lo, hi])
+        self.regions = []
+        for lo, hi in merged:
+            data = np.frombuffer(ctypes.string_at(lo, hi - lo), np.uint8).copy()
+            self.regions.append((lo, hi, m.upload(data, f"kv{len(self.regions)}")))
+        sim = [next(addr + base - lo for lo, hi, addr in self.regions if lo <= base < hi) for base, _ in spans]
         table = np.array([sim, rows[1], rows[2]], dtype=np.int64)
         self.table_addr = m.upload(table, "kv_table")
 
     def copy_back(self):
-        for base, extent, addr in self.spans:
-            data = self.m.download(addr, np.uint8, (extent,))
-            ctypes.memmove(base, data.ctypes.data, extent)
+        for lo, hi, addr in self.regions:
+            data = self.m.download(addr, np.uint8, (hi - lo,))
+            ctypes.memmove(lo, data.ctypes.data, hi - lo)

@@ -100,8 +100,10 @@ def test_steps_match_reference(ops, calls, page_size, seed, rtt_dtype, index_dty
 
 
 def test_several_move_blocks_per_request_and_buffers(ops, calls, monkeypatch):
-    """Page size 16 with 5 KV buffers split over 3 move blocks per request (blocks (b, s) move
-    buffers s, s + 3): 9 blocks wait for one verdict; the hand-off scratch is zeroed afterwards."""
+    """Page size 16 with 7 KV buffers split over 3 move blocks per request (block (b, s) moves
+    buffers s, s + 3, s + 6): 9 blocks wait for one verdict; the hand-off scratch is zeroed
+    afterwards. Buffers of several dtypes, row sizes and strides, two of them K and V interleaved
+    in one tensor."""
     scratches = []
     make_sync = api.move_sync
 
@@ -117,8 +119,9 @@ def test_several_move_blocks_per_request_and_buffers(ops, calls, monkeypatch):
 
     def more(slots, device):  # other dtypes, row sizes and strides (a strided view: rows of 6 of 8)
         wide = torch.randn(slots, 8, device=device).to(torch.float16)
+        kv = torch.randn(slots, 2, 3, device=device).to(torch.bfloat16)
         return [torch.randint(-100, 100, (slots, 5), dtype=torch.int8, device=device), wide[:, :6],
-                torch.randn(slots, 3, 4, device=device)]
+                torch.randn(slots, 3, 4, device=device), kv[:, 0], kv[:, 1]]
 
     sim.add_kv_buffers(more)
     assert sim.admit([0, 1, 2], [14, 0, 30])
