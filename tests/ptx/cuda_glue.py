@@ -93,7 +93,8 @@ class PtxCudaOps:
 
     def __init__(self, arch: str = ARCH, mma: str = "fast", check_races: bool = True, patched=None):
         """patched: {csrc-relative .cu path: edited source text} compiled instead of the file
-        (the mutant tests)."""
+        (the mutant tests); a header key (.cuh / .h outside csrc/include) is used instead of the
+        file by every .cu this object compiles."""
         self.arch = arch
         self.mma = mma
         self.check_races = check_races
@@ -101,8 +102,13 @@ class PtxCudaOps:
         self.launches = []
 
     def _module(self, cu: str):
-        if cu in self.patched:
-            return module_of(cuda_ptx_from_source(self.patched[cu], self.arch, os.path.join("csrc", cu)))
+        headers = {k: v for k, v in self.patched.items() if not k.endswith(".cu")}
+        if cu in self.patched or headers:
+            text = self.patched.get(cu)
+            if text is None:
+                with open(os.path.join(REPO, "csrc", cu), encoding="utf-8") as f:
+                    text = f.read()
+            return module_of(cuda_ptx_from_source(text, self.arch, os.path.join("csrc", cu), headers=headers))
         return module_of(cuda_ptx(os.path.join(REPO, "csrc", cu), self.arch))
 
     def _machine(self):

@@ -236,24 +236,50 @@ def cuda_ptx(cu_path: str, arch: str = "sm_120a") -> str:
     return cuda_ptx_info(cu_path, arch).ptx
 
 
-def cuda_ptx_from_source_info(text: str, arch: str = "sm_120a", name: str = "patched.cu") -> CudaPTX:
+def cuda_ptx_from_source_info(text: str, arch: str = "sm_120a", name: str = "patched.cu",
+                              headers: Optional[dict] = None) -> CudaPTX:
     """cuda_ptx_from_source() with the compile time, cache key and flags."""
     origin = name if os.path.isabs(name) else os.path.join(REPO, name)
     extra = [os.path.dirname(origin)] if os.path.isfile(origin) else []
     label = os.path.relpath(origin, REPO) if extra else os.path.basename(name)
-    h = hashlib.sha256((label + "\0" + text).encode()).hexdigest()[:24]
+    headers = {os.path.normpath(k): v for k, v in (headers or {}).items()}
+    if headers and not extra:
+        raise ValueError("patched headers need name to be the repository path of the .cu they are included by")
+    for hdr in headers:
+        if hdr.startswith("..") or os.path.isabs(hdr) or hdr.startswith("include" + os.sep) or \
+                not os.path.isfile(os.path.join(CSRC, hdr)):
+            raise ValueError(f"patched header must be an existing csrc-relative header outside csrc/include: {hdr}")
+    blob = "".join(f"\0{k}\0{v}" for k, v in sorted(headers.items()))
+    h = hashlib.sha256((label + "\0" + text + blob).encode()).hexdigest()[:24]
     # The source is kept (named like the original) so the PTX's .file / .loc lines point at real text.
     src_file = os.path.join(cache_dir(), "src", h, os.path.basename(name) or "patched.cu")
+    if headers:
+        # Patched headers: the .cu and every csrc/**/*.cuh outside csrc/include (the patched ones
+        # edited) are laid out as under csrc/, so a quoted include ("x.cuh", "../norm/x.cuh") finds
+        # the copy next to its includer before the -I path of the original's directory.
+        root = os.path.join(cache_dir(), "src", h, "csrc")
+        src_file = os.path.join(root, os.path.relpath(origin, CSRC))
+        for p in glob.glob(os.path.join(CSRC, "**", "*.cuh"), recursive=True):
+            rel = os.path.relpath(p, CSRC)
+            if not rel.startswith("include" + os.sep) and rel not in headers:
+                with open(p, encoding="utf-8") as f:
+                    headers = {**headers, rel: f.read()}
+        for rel, body in headers.items():
+            if _read(os.path.join(root, rel)) != body:
+                _write_atomic(os.path.join(root, rel), body)
     if _read(src_file) != text:
         _write_atomic(src_file, text)
-    return _compile_cu(src_file, text, arch, extra, "patched:" + label)
+    return _compile_cu(src_file, text + blob, arch, extra, "patched:" + label)
 
 
-def cuda_ptx_from_source(text: str, arch: str = "sm_120a", name: str = "patched.cu") -> str:
+def cuda_ptx_from_source(text: str, arch: str = "sm_120a", name: str = "patched.cu",
+                         headers: Optional[dict] = None) -> str:
     """The PTX of an edited copy of a .cu file (e.g. a mutant), compiled like cuda_ptx(). name is
     the .cu the text was edited from (repository path): its directory is put on the include path
-    so the original's quoted relative includes resolve; csrc/include is on the path as always."""
-    return cuda_ptx_from_source_info(text, arch, name).ptx
+    so the original's quoted relative includes resolve; csrc/include is on the path as always.
+    headers: {csrc-relative path of a header outside csrc/include: edited text}, used instead of
+    the file by the quoted includes of this compile (the .cu's text may be the unedited one)."""
+    return cuda_ptx_from_source_info(text, arch, name, headers).ptx
 
 
 def cuda_ptx_all(archs=CUDA_ARCHS, processes: int = 2) -> list[CudaPTX]:
