@@ -44,7 +44,7 @@ struct BlockState {  // this rank's progress, per block; never read by peers
   uint32_t seq;             // calls through these buffers
   uint32_t push_slot;       // slot of the last push call (0 before the first)
   uint32_t last_push_rows;  // rows of the last push call (to re-fill with the sentinel)
-  uint32_t unused;
+  uint32_t last_push_row_bytes;  // and their size: the next call may have another hidden size
 };
 
 // The head of every rank's buffer. Peers write the flag words; the rest is local.
@@ -372,11 +372,13 @@ __global__ void __launch_bounds__(1024, 1) oneshot_push_kernel(const Params p) {
   char* mine = p.bases[p.rank];
 
   // Re-arm the previous push call's rows with the sentinel; peers write that slot again only two
-  // push calls from now, which needs this call's rows from us first (sent below).
+  // push calls from now, which needs this call's rows from us first (sent below). The rows are
+  // that call's rows, of that call's size (the hidden size may differ between calls).
+  const size_t prev_rb = st->last_push_row_bytes;
   for (int row = blockIdx.x; row < static_cast<int>(st->last_push_rows); row += gridDim.x)
     for (int q = 0; q < p.world; ++q) {
-      uint4* dst = reinterpret_cast<uint4*>(mine + p.layout.push[prev] + q * p.push_stride + row * rb);
-      for (int v = threadIdx.x; v < nvec; v += blockDim.x)
+      uint4* dst = reinterpret_cast<uint4*>(mine + p.layout.push[prev] + q * p.push_stride + row * prev_rb);
+      for (int v = threadIdx.x; v < static_cast<int>(prev_rb / 16); v += blockDim.x)
         dst[v] = make_uint4(kSentinelPair, kSentinelPair, kSentinelPair, kSentinelPair);
     }
   __threadfence();
@@ -441,6 +443,7 @@ __global__ void __launch_bounds__(1024, 1) oneshot_push_kernel(const Params p) {
     st->seq = seq;
     st->push_slot = slot;
     st->last_push_rows = p.rows;
+    st->last_push_row_bytes = static_cast<uint32_t>(rb);
   }
 }
 

@@ -21,9 +21,10 @@ vectors, a flag landing before the data it publishes, stores landing out of orde
 call's launches start together, so no rank runs a whole call ahead of another; both are what the
 emulator's store-buffer model with randomised rank speeds explores.
 
-Two strict xfails reproduce a problem of the push path on the compiled kernel: it re-arms the
-previous push call's rows with the current call's row size, which is wrong when hidden changes
-between calls on the same buffers (FusedAllReduce keeps hidden fixed; the raw op does not).
+Two tests pin a fixed bug of the push path: it re-armed the previous push call's rows with the
+current call's row size, wrong when hidden changes between calls on the same buffers
+(FusedAllReduce keeps hidden fixed; the raw op does not): stale rows were taken as fresh, or the
+sentinel was written past the slot. The kernel now keeps the previous call's row size.
 """
 from __future__ import annotations
 
@@ -300,9 +301,6 @@ def test_push_data_poll_times_out():
     assert (sim.block_state(0)[:, 0] == 0).all()  # the failed call is not counted
 
 
-@pytest.mark.xfail(strict=True, reason="oneshot_push re-arms the previous push call's rows with the CURRENT "
-                   "call's row size (last_push_rows * rows of p.hidden): after a call with a smaller hidden, "
-                   "part of the older slot keeps its data, which a later call reads as fresh")
 def test_push_rearm_after_hidden_change():
     """The push slot of call 1 (3 rows of hidden 264) is re-armed by call 2 (hidden 72) over only
     3 x 144 bytes per sender, so bytes 432..1584 keep call 1's data. Call 4 uses that slot again
@@ -329,10 +327,6 @@ def test_push_rearm_after_hidden_change():
     assert (_bits(res.out[1:]) == 0x7E7E).all()  # row 0 (complete from both ranks) may be done
 
 
-@pytest.mark.xfail(strict=True, raises=SimError, reason="oneshot_push re-arms the previous push call's "
-                   "last_push_rows rows at the CURRENT row size: after 16 rows of hidden 64, a call with one row "
-                   "of hidden 1024 (the same bytes) writes the sentinel over 16 x 2048 bytes per sender, through "
-                   "the current slot and past the end of the buffer (fused_allreduce.cu, the re-arm loop)")
 def test_push_rearm_stays_in_its_slot():
     dtype, world = torch.float16, 2
     gen = torch.Generator().manual_seed(81)

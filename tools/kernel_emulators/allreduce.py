@@ -267,7 +267,7 @@ class Block:
         m = self.emu.bufs[self.rank].mem
         return int(m[off // 4]) | int(m[off // 4 + 1]) << 32
 
-    def state(self, field):  # BlockState of this block: seq, push_slot, last_push_rows
+    def state(self, field):  # BlockState of this block: seq, push_slot, last_push_rows, last_push_row_bytes
         return int(self.emu.bufs[self.rank].mem[(STATE + self.b * 16) // 4 + field])
 
     def set_state(self, field, value):
@@ -603,11 +603,12 @@ def oneshot_push_kernel(k):
     slot = (prev + 1) % K_PUSH_SLOTS
     mine = p.rank
     vs = np.arange(nvec)
-    # Re-arm the previous push call's rows with the sentinel.
+    # Re-arm the previous push call's rows (of that call's row size) with the sentinel.
+    prev_rb = k.state(3)
     for row in range(k.b, k.state(2), k.grid):
         for q in range(p.world):
-            words = k.vec_words(mine, f"push{prev}", p.layout.push[prev] + q * p.push_stride + row * rb + vs * 16,
-                                sender=q)
+            words = k.vec_words(mine, f"push{prev}", p.layout.push[prev] + q * p.push_stride + row * prev_rb
+                                + np.arange(prev_rb // 16) * 16, sender=q)
             k.store(mine, words, np.full(words.size, K_SENTINEL_PAIR, np.uint32), False, 0, True, f"re-arm row {row}")
         yield "step"
     k.fence()  # __threadfence(); __syncthreads()
@@ -636,6 +637,7 @@ def oneshot_push_kernel(k):
     k.set_state(0, seq)  # __syncthreads(); thread 0
     k.set_state(1, slot)
     k.set_state(2, p.rows)
+    k.set_state(3, rb)
 
 
 KERNELS = {PUSH: oneshot_push_kernel, PULL: oneshot_pull_kernel, TWOSHOT: twoshot_kernel}
