@@ -24,7 +24,8 @@ from test_kv_slots import (KERNEL_REFUSALS, PAGE_STATE_IDS, PAGE_STATE_REFUSALS,
                            _expected_commit, _hand_off_commit, check_page_state_refusal, check_refusal,
                            check_refused_then_accepted_with_one_scratch_and_tag)
 from test_kv_slots_invariants import (Draw, Sim, _double_commit_sim, alloc_from_corrupt_stack,  # noqa: E402
-                                      commit_never_allocated, host_checks, release_request, replay_commit)
+                                      commit_never_allocated, host_checks, random_path, release_request,
+                                      replay_commit)
 
 from cuda_glue import PtxCudaOps  # noqa: E402
 
@@ -133,6 +134,23 @@ def test_several_move_blocks_per_request_and_buffers(ops, calls, monkeypatch):
     check_calls(calls)
 
 
+@pytest.mark.parametrize("page_size", [1, 4])
+def test_more_requests_than_one_tile(ops, calls, page_size):
+    """1050 of 1100 requests in one call: more than the bookkeeping block's 1024 threads, so the
+    prefix sums carry across two tiles and the page-state passes re-analyse each tile (page size
+    4: prefix paths, no KV buffers, partially filled last pages continued)."""
+    R = 1100
+    sim = Sim(IMPLS, (R * 12) // page_size + 10, page_size, rows=R, max_context=12, max_draft=4, draw=Draw(seed=3))
+    assert sim.admit(list(range(R)), [i % 5 for i in range(R)])
+    with host_checks(False):
+        rows = sim.draw.permutation(list(range(R)))[:1050]
+        counts = [sim.draw.int(0, 4) for _ in rows]
+        paths = [random_path(sim.draw, n) if page_size == 1 else list(range(sim.draw.int(0, n))) for n in counts]
+        assert sim.step(rows, counts, paths, kv_buffers=page_size == 1, check=False)
+    sim.check_invariants()
+    check_calls(calls)
+
+
 # --------------------------------------------------------------------------- refusals
 @pytest.mark.parametrize("page_size", [1, 16])
 def test_kernel_refusals_change_nothing(ops, calls, page_size):
@@ -186,13 +204,13 @@ def test_page_state_refusals(ops, op, page_size, spoil, exc, match, code):
 
 def test_hand_off_scratch(ops):
     """tests/test_kv_slots.py's hand-off checks, fewer launches: scratch holding words of an older
-    tag (1 move block per request) or garbage (3 per request) is ignored, the result is the
-    reference's and the scratch is zeroed; then a refused launch and an accepted one with the same
-    scratch and tag (a CUDA-graph replay)."""
+    tag is ignored, the result is the reference's and the scratch is zeroed (garbage scratch with 3
+    move blocks per request: test_several_move_blocks_per_request_and_buffers); then a refused
+    launch and an accepted one with the same scratch and tag (a CUDA-graph replay)."""
     want_status, want_new, want = _expected_commit()
     _, tag = api.move_sync("cpu")
     old = tag - 1
-    for fill, shares in (([(old << 25) | 5, (old << 25) | 3, (old << 25) | 9], 1), ([-1, 7, 1 << 62], 3)):
+    for fill, shares in (([(old << 25) | 5, (old << 25) | 3, (old << 25) | 9], 1),):
         scratch = torch.tensor(fill, dtype=torch.int64)
         status, new, got = _hand_off_commit(scratch, tag, "cpu", "cuda", shares)
         assert status.tolist() == want_status.tolist() and new.tolist() == want_new.tolist()
