@@ -8,7 +8,7 @@ from typing import Optional
 import torch
 
 from .._ops import cuda_ops
-from ..tree_verify.launch_plan import MIN_SPLIT_KEYS, max_rows
+from ..tree_verify.launch_plan import MIN_SPLIT_KEYS, cuda_mla_resources, expected_rows, max_rows, mean_prefix
 from ..tree_verify.launch_plan import num_kv_splits as plan_splits
 
 HEAD_DIM, V_HEAD_DIM = 576, 512  # kMlaHeadDim / kMlaVHeadDim in csrc/include/spec_kernels/mla.h
@@ -37,8 +37,13 @@ def mla_tree_verify_attention(q, kv_cache, kv_indptr, kv_indices, qo_indptr, tre
     B = kv_indptr.numel() - 1
     if T == 0 or B == 0:  # nothing to compute (every n_b = 0, or no request); a 0-row grid is no launch
         return
-    rows = max_rows(T, H, qo_indptr is None, max_draft_tokens)
-    splits = num_kv_splits or plan_splits(q.device, B, 1, rows, block_m(rows))
+    decode = qo_indptr is None
+    rows = max_rows(T, H, decode, max_draft_tokens)  # sizes the grid (and the tile): every valid n_b fits
+    splits = num_kv_splits
+    if not splits:  # planned for the rows that hold work in an even batch
+        work = expected_rows(T, B, H, decode, max_draft_tokens)
+        splits = plan_splits(q.device, B, 1, work, block_m(rows), cuda_mla_resources(block_m(rows)),
+                             mean_prefix(kv_indices.numel(), B, work, H))
     o_partial = lse_partial = None
     if splits > 1:
         o_partial = torch.empty((splits, T, H, v_head_dim), dtype=torch.float32, device=q.device)

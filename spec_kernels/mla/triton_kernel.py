@@ -28,7 +28,7 @@ import triton.language as tl
 
 from .._ops import triton_interpreting
 from .._autotune import LazyAutotune
-from ..tree_verify.launch_plan import MIN_SPLIT_KEYS
+from ..tree_verify.launch_plan import MIN_SPLIT_KEYS, expected_rows, mean_prefix, triton_mla_resources
 from ..tree_verify.launch_plan import max_rows as plan_max_rows
 from ..tree_verify.launch_plan import num_kv_splits as plan_splits
 from ..tree_verify.triton_kernel import LOG2E, _merge_splits_kernel, draft_bits, finite_or_nan, indptr_range
@@ -232,7 +232,11 @@ def mla_tree_verify_attention(
     is_decode = qo_indptr is None
     max_rows = plan_max_rows(T, H, is_decode, max_draft_tokens)
     block_m = block_m or default_block_m(max_rows)
-    splits = num_kv_splits or plan_splits(q.device, B, 1, max_rows, block_m)
+    splits = num_kv_splits
+    if not splits:  # planned for the rows that hold work in an even batch (the grid keeps max_rows)
+        rows = expected_rows(T, B, H, is_decode, max_draft_tokens)
+        splits = plan_splits(q.device, B, 1, rows, block_m, triton_mla_resources(block_m, D, kv_cache.element_size()),
+                             mean_prefix(kv_indices.numel(), B, rows, H))
     kernel, fixed = _kernel_for_launch()
     # Placeholders for absent optional pointers (never dereferenced: constexpr branches).
     qo_ptr = qo_indptr if qo_indptr is not None else kv_indptr

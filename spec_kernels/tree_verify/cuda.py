@@ -8,7 +8,7 @@ from typing import Optional
 import torch
 
 from .._ops import cuda_ops
-from .launch_plan import MIN_SPLIT_KEYS, max_rows
+from .launch_plan import MIN_SPLIT_KEYS, cuda_tree_verify_resources, expected_rows, max_rows, mean_prefix
 from .launch_plan import num_kv_splits as plan_splits
 
 BLOCK_M = 64  # rows per CTA: kTreeVerifyBlockM in csrc/include/spec_kernels/tree_verify.h
@@ -32,8 +32,13 @@ def tree_verify_attention(q, k_cache, v_cache, kv_indptr, kv_indices, qo_indptr,
     B = kv_indptr.numel() - 1
     if T == 0 or B == 0:  # nothing to compute (every n_b = 0, or no request); a 0-row grid is no launch
         return
-    rows = max_rows(T, Hq // Hkv, qo_indptr is None, max_draft_tokens)
-    splits = num_kv_splits or plan_splits(q.device, B, Hkv, rows, BLOCK_M)
+    group, decode = Hq // Hkv, qo_indptr is None
+    rows = max_rows(T, group, decode, max_draft_tokens)  # sizes the grid: every valid n_b fits
+    splits = num_kv_splits
+    if not splits:  # planned for the rows that hold work in an even batch
+        work = expected_rows(T, B, group, decode, max_draft_tokens)
+        splits = plan_splits(q.device, B, Hkv, work, BLOCK_M, cuda_tree_verify_resources(D),
+                             mean_prefix(kv_indices.numel(), B, work, group))
     o_partial = lse_partial = None
     if splits > 1:
         o_partial = torch.empty((splits, T, Hq, D), dtype=torch.float32, device=q.device)

@@ -25,7 +25,7 @@ from triton.runtime.errors import OutOfResources
 
 from .._ops import triton_interpreting
 from .._autotune import LazyAutotune
-from .launch_plan import MIN_SPLIT_KEYS
+from .launch_plan import MIN_SPLIT_KEYS, expected_rows, mean_prefix, triton_tree_verify_resources
 from .launch_plan import max_rows as plan_max_rows
 from .launch_plan import num_kv_splits as plan_splits
 
@@ -274,6 +274,13 @@ def _fixed_warps(block_m: int, head_dim: int, ieee_dot: bool) -> int:
     return 8 if block_m >= 64 or head_dim >= 256 or ieee_dot else 4
 
 
+def _plan_resources(block_m: int, D: int, Dv: int, elt: int, ieee_dot: bool):
+    """The split planner's picture of one program (launch_plan.resident_ctas_per_sm): the fixed
+    tile's warps, registers and shared memory (launch_plan.triton_tree_verify_resources)."""
+    bn = _fixed_tiles(max(D, Dv), ieee_dot)[0][0]
+    return triton_tree_verify_resources(block_m, bn, _fixed_warps(block_m, max(D, Dv), ieee_dot), D, Dv, elt)
+
+
 # The tiles searched per shape bucket (BLOCK_M comes from the rows per request).
 _kernel_for_launch = LazyAutotune(
     _tree_verify_fwd_kernel, _autotune_configs,
@@ -310,10 +317,17 @@ def tree_verify_attention(
     is_decode = qo_indptr is None
     max_rows = plan_max_rows(T, group, is_decode, max_draft_tokens)
     block_m = block_m or _default_block_m(max_rows, max(D, Dv))
-    splits = num_kv_splits or plan_splits(q.device, B, Hkv, max_rows, block_m)
+    ieee = q.dtype == torch.float32
+    if not num_kv_splits:
+        # Planned for the rows that hold work in an even batch (the grid keeps the max_rows bound).
+        rows = expected_rows(T, B, group, is_decode, max_draft_tokens)
+        splits = plan_splits(q.device, B, Hkv, rows, block_m,
+                             _plan_resources(block_m, D, Dv, k_cache.element_size(), ieee),
+                             mean_prefix(kv_indices.numel(), B, rows, group))
+    else:
+        splits = num_kv_splits
     kernel, fixed = _kernel_for_launch()
     compute_f32 = triton_interpreting() or q.dtype == torch.float32
-    ieee = q.dtype == torch.float32
     # A placeholder for absent optional pointers (never dereferenced: constexpr branches).
     qo_ptr = qo_indptr if qo_indptr is not None else kv_indptr
     mask_ptr = tree_mask if tree_mask is not None else kv_indptr

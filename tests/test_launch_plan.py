@@ -1,0 +1,175 @@
+"""The KV-split planner (spec_kernels/tree_verify/launch_plan.py): occupancy arithmetic, wave
+efficiency of the benchmark shapes on the named GPUs, the split bounds, the row bounds, the CLI,
+and the launchers' automatic path (MIN_CHUNK) against the reference."""
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+import spec_kernels
+from spec_kernels.tree_verify import launch_plan as lp
+from spec_kernels.tree_verify import triton_kernel
+from tree_cases import make_case
+
+ROOT = Path(__file__).resolve().parents[1]
+GPUS = sorted(lp.DEVICES)
+SHAPES = lp.benchmark_shapes()
+
+
+# --------------------------------------------------------------------------- occupancy
+def test_resident_ctas_follow_the_tightest_limit():
+    h200, rtx = lp.DEVICES["h200"], lp.DEVICES["rtx-pro-6000"]
+    small = lp.KernelResources(threads=128, regs_per_thread=32, smem_bytes=0)
+    assert lp.resident_ctas_per_sm(small, h200) == 16  # 2048 threads / 128
+    assert lp.resident_ctas_per_sm(small, rtx) == 12  # 1536 threads / 128
+    # 255 registers x 256 threads take the whole 64K register file
+    assert lp.resident_ctas_per_sm(lp.KernelResources(256, 255, 0), h200) == 1
+    # 168 registers round to 5376 per warp: 12 warps = 3 CTAs of 4 warps by registers
+    assert lp.resident_ctas_per_sm(lp.KernelResources(128, 168, 0), h200) == 3
+    # shared memory: 80 KB + 1 KB reserved -> 2 on 228 KB, 1 on 100 KB
+    big = lp.KernelResources(128, 64, 80 * 1024)
+    assert (lp.resident_ctas_per_sm(big, h200), lp.resident_ctas_per_sm(big, rtx)) == (2, 1)
+    assert lp.resident_ctas_per_sm(lp.KernelResources(1024, 64, 200 * 1024), rtx) == 1  # never 0
+
+
+def test_cuda_kernel_slots_match_the_kernels_constants():
+    # TileConfig<128>: Q 64x128 + two K and two V stages of 64 keys = 80 KB; MlaTile<1> = 58 KB
+    assert lp.cuda_tree_verify_resources(128).smem_bytes == 80 * 1024
+    assert lp.cuda_tree_verify_resources(64).smem_bytes == 40 * 1024
+    assert lp.cuda_tree_verify_resources(256).smem_bytes == 96 * 1024
+    assert lp.cuda_mla_resources(16).smem_bytes == 58 * 1024
+    h200, rtx = lp.DEVICES["h200"], lp.DEVICES["rtx-pro-6000"]
+    k = lp.cuda_tree_verify_resources(128)
+    assert lp.resident_ctas_per_sm(k, h200) * h200.sms == 264
+    assert lp.resident_ctas_per_sm(k, rtx) * rtx.sms == 188
+
+
+# --------------------------------------------------------------------------- the plans
+@pytest.mark.parametrize("impl", ["cuda", "triton"])
+@pytest.mark.parametrize("gpu", GPUS)
+def test_benchmark_shapes_fill_the_waves(gpu, impl):
+    limits = lp.DEVICES[gpu]
+    filled = 0
+    for shape in SHAPES:
+        _, p = lp.plan_shape(shape, limits, impl)
+        assert 1 <= p.splits <= p.max_splits <= lp.MAX_KV_SPLITS, shape
+        best_allowed = max(lp._efficiency(p.ctas, s, p.slots)[1] for s in range(1, p.max_splits + 1))
+        # the fewest splits within the tolerance of the best the bounds allow
+        assert p.efficiency >= best_allowed * (1 - lp.EFFICIENCY_TOLERANCE) - 1e-12, shape
+        assert all(lp._efficiency(p.ctas, s, p.slots)[1] < best_allowed * (1 - lp.EFFICIENCY_TOLERANCE)
+                   for s in range(1, p.splits)), shape
+        if p.limit == "waves":
+            assert p.efficiency >= 0.9, (shape, p)
+            filled += 1
+        else:  # bounded by MIN_SPLIT_KEYS / MAX_KV_SPLITS: more splits would have filled it better
+            assert p.limit in ("keys", "cap") and p.efficiency < 0.9, (shape, p)
+            prefix = shape.L
+            assert p.max_splits == max(1, min(lp.MAX_KV_SPLITS, prefix // lp.MIN_SPLIT_KEYS)), shape
+    # B >= 70 fills the GPU to >= 0.9 (MLA plain decode excepted: one 16-row CTA per request and
+    # 3 per SM on sm_90 would need more than the 8 splits that 2048 keys allow); smaller batches
+    # may have too few keys per request for enough splits of MIN_SPLIT_KEYS (checked above).
+    big = [s for s in SHAPES if s.B >= 70 and not (s.mla and s.n == 1)]
+    low = [s for s in big if lp.plan_shape(s, limits, impl)[1].efficiency < 0.9]
+    assert not low and filled >= len(big), low
+
+
+@pytest.mark.parametrize("gpu", GPUS)
+def test_decode_b16_gqa_32_4(gpu):
+    # B=16 decode, Hq/Hkv = 32/4: 64 CTAs per split; 2x-SM sizing gave 5 splits on H200 (320 CTAs on
+    # 264 slots: 0.61) and 6 on the RTX PRO 6000 (384 on 188: 0.68).
+    shape = lp.Shape("gqa-32/4", 16, 32, 4, 128, 4096, 1)
+    _, p = lp.plan_shape(shape, lp.DEVICES[gpu], "cuda")
+    assert p.ctas == 64 and p.efficiency >= 0.9 and p.splits * lp.MIN_SPLIT_KEYS <= 4096
+
+
+def test_split_bounds_min_chunk_and_cap():
+    for ctas in (1, 2, 3, 7, 64, 100, 263, 264, 265, 1000, 5000):
+        for slots in (132, 188, 264, 396):
+            for prefix in (None, 0, 100, 255, 256, 511, 512, 2047, 4096, 10**6):
+                p = lp.plan(ctas, slots, 1, prefix)
+                assert 1 <= p.splits <= lp.MAX_KV_SPLITS
+                if prefix is not None:
+                    assert p.splits == 1 or prefix // p.splits >= lp.MIN_SPLIT_KEYS, (ctas, slots, prefix, p)
+                assert p.waves == -(-ctas * p.splits // slots)
+    # the cap (the fewest splits within the tolerance of the best: 63 of 64 on 264 slots)
+    assert lp.plan(1, 264, 2, 10**6).splits >= lp.MAX_KV_SPLITS * (1 - lp.EFFICIENCY_TOLERANCE)
+    assert lp.plan(1, 264, 2, 10**6).limit == "cap"
+    assert lp.plan(1, 264, 2, 2048).splits == 8 and lp.plan(1, 264, 2, 2048).limit == "keys"
+    assert lp.plan(10_000, 264, 2, 10**6).splits <= 2  # many waves already: no (or few) splits
+
+
+def test_cpu_path_returns_one():
+    cpu = torch.device("cpu")
+    assert lp.num_kv_splits(cpu, 1, 1, 8, 64) == 1
+    assert lp.num_kv_splits(cpu, 1, 1, 8, 64, lp.cuda_tree_verify_resources(128), 10**6) == 1
+
+
+def test_named_device_limits_without_a_gpu(monkeypatch):
+    # Tools that compile without a GPU stand in a CUDA device and patch sm_count.
+    monkeypatch.setattr(lp, "sm_count", lambda index: 132)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    fake = type("Dev", (), {"type": "cuda", "index": 0})()
+    assert lp.num_kv_splits(fake, 1, 1, 8, 64, lp.cuda_tree_verify_resources(128), 2047) == 7
+    assert lp.num_kv_splits(fake, 1, 1, 8, 64, lambda limits: lp.cuda_tree_verify_resources(128), None) >= 62
+
+
+# --------------------------------------------------------------------------- rows
+def test_grid_rows_bound_every_valid_batch_and_plan_rows_stay_within():
+    gen = torch.Generator().manual_seed(0)
+    for _ in range(300):
+        B = int(torch.randint(1, 9, (), generator=gen))
+        ns = torch.randint(0, 65, (B,), generator=gen)
+        if int(torch.randint(0, 3, (), generator=gen)) == 0:  # one request holds every token
+            ns = torch.zeros(B, dtype=torch.long)
+            ns[int(torch.randint(0, B, (), generator=gen))] = int(torch.randint(1, 65, (), generator=gen))
+        T, group = int(ns.sum()), int(torch.randint(1, 9, (), generator=gen))
+        if T == 0:
+            continue
+        grid = lp.max_rows(T, group, False)
+        assert grid >= int(ns.max()) * group  # no valid request is cut by the grid
+        assert lp.max_rows(T, group, False, int(ns.max())) >= int(ns.max()) * group
+        work = lp.expected_rows(T, B, group, False)
+        assert group <= work <= grid
+        if bool((ns == ns[0]).all()):  # a uniform batch: exactly its rows
+            assert work == int(ns[0]) * group
+    assert lp.expected_rows(128, 16, 8, False) == 64  # B=16 x n=8: 8 drafts each, not 64
+    assert lp.max_rows(128, 8, False) == 512
+    assert lp.expected_rows(5, 5, 4, True) == lp.max_rows(5, 4, True) == 4
+
+
+# --------------------------------------------------------------------------- the automatic path
+@pytest.mark.parametrize("planned", [2, 5])
+def test_automatic_split_path_matches_reference(monkeypatch, planned):
+    """The launcher's automatic path (planner count, MIN_CHUNK = MIN_SPLIT_KEYS) on the CPU, by
+    standing the planner's answer in: prefixes below, at and above the minimum chunk."""
+    calls = []
+
+    def fake_plan(device, B, Hkv, rows, block_m, kernel, prefix):
+        calls.append((B, Hkv, rows, block_m, prefix))
+        return planned
+
+    monkeypatch.setattr(triton_kernel, "plan_splits", fake_plan)
+    case = make_case([3, 3, 3], [700, 0, 300], hq=4, hkv=2, seed=11)
+    ref, ref_lse = spec_kernels.tree_verify_attention(*case.args, return_lse=True, impl="reference")
+    out, lse = spec_kernels.tree_verify_attention(*case.args, return_lse=True, impl="triton")
+    torch.testing.assert_close(out, ref, atol=2e-5, rtol=0)
+    torch.testing.assert_close(lse, ref_lse, atol=2e-5, rtol=0)
+    # planned with the even batch's rows (3 drafts x group 2) and the mean prefix (1009 slots / 3 - 3)
+    assert calls == [(3, 2, 6, 32, 1009 // 3 - 3)]  # BLOCK_M 32 from the grid bound min(9, 64) x 2 rows
+
+
+# --------------------------------------------------------------------------- the CLI
+def test_cli_prints_the_plan_table():
+    env = {**os.environ, "PYTHONPATH": str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    proc = subprocess.run([sys.executable, "-m", "spec_kernels.tree_verify", "--gpu", "rtx-pro-6000",
+                           "--model", "llama-3.3-70b-tp8"], capture_output=True, text=True, env=env, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    lines = proc.stdout.splitlines()
+    assert "188 SMs" in lines[0] and lines[1].split()[:3] == ["model", "B", "n"]
+    rows = [ln.split() for ln in lines[2:]]
+    assert len(rows) == 40 and all(r[0] == "llama-3.3-70b-tp8" for r in rows)
+    b250_n4 = next(r for r in rows if r[1] == "250" and r[2] == "4")
+    assert b250_n4[9] == "188" and float(b250_n4[12]) >= 0.9  # slots, efficiency
