@@ -8,8 +8,9 @@ How a launch gets here (`TritonPtxRunner.active()`, a context manager):
   tiles a GPU launch uses, kv_slots' ON_GPU hand-off), the automatic KV split count is planned for
   a CUDA device with `sms` SMs, and an autotuned launch runs the fixed path or, with
   `config=...`, one config of the launcher's own autotune list (after its prune).
-* `InterpretedFunction.run` (what `kernel[grid](*args, **kwargs)` calls under TRITON_INTERPRET=1)
-  is replaced, so every launch arrives here with the launcher's own grid, arguments, constexprs,
+* `InterpretedFunction.run` (what `kernel[grid](*args, **kwargs)` calls under TRITON_INTERPRET=1;
+  `JITFunction.run` likewise when the interpreter is off) is replaced, so every launch arrives
+  here with the launcher's own grid, arguments, constexprs,
   num_warps and num_stages. The grid callable is evaluated with the launch's meta-parameters.
 * The exact specialisation is compiled for GPUTarget("cuda", arch, 32): Triton's own binder
   decides which ints become constexprs (== 1) and which ints / pointers carry divisibility 16
@@ -254,7 +255,8 @@ class TritonPtxRunner:
         import triton
 
         specs, klass = [], []
-        dns = set(getattr(fn, "kwargs", {}).get("do_not_specialize", ()) or ())
+        dns = getattr(fn, "kwargs", {}).get("do_not_specialize") or getattr(fn, "do_not_specialize", ()) or ()
+        dns = {fn.arg_names[d] if isinstance(d, int) else d for d in dns}
         for name, a in zip(fn.arg_names, args):
             if hasattr(a, "data_ptr"):
                 aligned = self.sync.addr(a) % 16 == 0
@@ -355,6 +357,7 @@ class TritonPtxRunner:
         import importlib
 
         from triton.runtime.interpreter import InterpretedFunction
+        from triton.runtime.jit import JITFunction
 
         from spec_kernels.tree_verify import launch_plan
 
@@ -371,6 +374,7 @@ class TritonPtxRunner:
             return runner._launch(fn_self, args, grid, kwargs)
 
         setattr_saved(InterpretedFunction, "run", run)
+        setattr_saved(JITFunction, "run", run)  # the kernels are JITFunctions when TRITON_INTERPRET is off
         setattr_saved(launch_plan, "sm_count", lambda index: runner.sms)
         cuda = types.SimpleNamespace(type="cuda", index=0)
         for modname, lazy_name in _LAUNCHERS.items():
