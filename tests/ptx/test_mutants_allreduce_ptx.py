@@ -1,0 +1,301 @@
+"""Deliberate bugs in the IPC allreduce kernels (csrc/allreduce/fused_allreduce.cu) must make their
+PTX tests fail.
+
+The mutants are those of the hand emulator (tools/kernel_emulators/check.py MUTANTS["allreduce"]),
+each re-expressed as a one-expression edit of the .cu (the text must occur exactly once, so a
+refactor that moves it fails here loudly instead of testing nothing). The edited source is
+compiled to sm_120a PTX and runs on 2 simulated GPUs sharing their IPC buffers
+(tests/ptx/allreduce_glue.py). Each mutant names the check that must catch it: a wrong sum
+("mismatch"), a wrong host error word ("error word": an error where the call must succeed, none
+where it must report one) or a call after a failure that still runs ("inert"); so a case that stops reaching the bug's path fails here too.
+
+Some cases set up by hand a state that real hardware reaches but the interpreter's lockstep calls
+do not (the calls of all ranks start together and its memory is sequentially consistent): a peer
+whose header arrived but whose rows are still in flight, a 16-byte push vector of which only the
+first word landed (vector stores are single-copy atomic per element, not as a whole), a rank that
+runs one call ahead of a late peer, a block of a peer that is late while its other block has met
+ours. They write exactly what the peer's kernel would have written
+by then.
+
+EMULATOR_ONLY lists the mutants a sequentially consistent interpreter cannot catch (a missing
+fence, a relaxed instead of a release store: only the order in which other GPUs see stores
+changes). The edited kernel must pass every case here (so the list stays honest: a mutant that
+starts failing a case belongs in MUTANTS); tools/kernel_emulators/allreduce.py, whose store-buffer
+model delays and reorders each rank's stores, keeps covering them.
+"""
+from __future__ import annotations
+
+import concurrent.futures
+import functools
+
+import numpy as np
+import pytest
+import torch
+
+from tools.ptxsim import build
+from tools.ptxsim.memory import SimError
+
+from allreduce_glue import KERNEL_FILE, K_TIMEOUT, RankInput, SimRanks
+import test_allreduce_ptx as ar
+
+pytestmark = pytest.mark.skipif(build.find_nvcc() is None,
+                                reason="nvcc not found (set CUDA_HOME): the kernels' PTX cannot be produced")
+
+CU = "csrc/allreduce/fused_allreduce.cu"
+F16 = torch.float16
+HIDDEN = 64
+
+# ---------------------------------------------------------------------------------- the cases
+# Each case takes the PTX to run and raises AssertionError (or a SimError) when the kernel is wrong.
+
+# struct Signals (fused_allreduce.cu): flags[2][2][128][8] (u64), then push_headers[3][128][8].
+_FLAGS, _PUSH_HEADERS = 0, 2 * 2 * 128 * 8 * 8
+
+
+def _write_u64(sim, rank, offset, value):
+    sim.m.write(sim.bases[rank] + offset, np.array([value], np.uint64))
+
+
+def _push_rows(x):
+    """What a sender stores into a push slot for rows x: -0.0 becomes +0.0."""
+    bits = x.contiguous().view(torch.int16).clone()
+    bits[bits == -32768] = 0
+    return bits.numpy().view(np.uint32)
+
+
+def case_push_peer_late(ptx, calls_before=3, torn=False):
+    """One-shot push, 2 ranks, 1 block: `calls_before` complete calls (rows 2, 3, 1), then rank 1
+    of the next call has sent only its header (to every slot: what it sends to the slot it uses)
+    and, if `torn`, the first 32-bit word of its first row's first vector (hidden 8: one vector per
+    row). Rank 0 must keep polling its sentinel-filled slot and, as rank 1 sends nothing more,
+    report a timeout naming rank 1: a slot that still holds an older call's rows (not re-armed, or
+    not rotated) or a half-arrived vector taken as complete gives a sum with no error instead."""
+    hidden = 8 if torn else HIDDEN
+    gen = torch.Generator().manual_seed(5)
+    sim = SimRanks(2, hidden, F16, max_tokens=3, num_blocks=1, timeout_ns=1, ptx=ptx)
+    for rows in (2, 3, 1)[:calls_before]:
+        inputs = ar._make(2, rows, hidden, F16, "sum", gen)
+        ar._check(sim.call("oneshot_push", inputs), inputs, F16)
+    seq, rows = calls_before + 1, 1 if torn else 2
+    for slot in range(3):
+        _write_u64(sim, 0, _PUSH_HEADERS + ((slot * 128 + 0) * 8 + 1) * 8, (seq << 32) | rows * hidden * 2)
+    if torn:
+        x1 = torch.randn(rows, hidden, generator=gen).to(F16)
+        slot = seq % 3
+        sim.m.write(sim.bases[0] + sim.layout.push[slot] + 1 * sim.push_stride, _push_rows(x1[0])[:1])
+    x0 = torch.randn(rows, hidden, generator=gen).to(F16)
+    res = sim.call("oneshot_push", [RankInput(x0), None])[0]
+    assert (res.error["code"], res.error["peer"]) == (K_TIMEOUT, 1), \
+        f"error word: rank 0 finished call {seq} without rank 1's rows (error word {res.error})"
+
+
+def case_twoshot(ptx):
+    """Two-shot, 2 ranks, 1 block, 3 rows (rank 0 reduces row 0, rank 1 rows 1-2): rank 0 reads
+    rank 1's share while rank 1 is still reducing it unless the second flag round holds it."""
+    gen = torch.Generator().manual_seed(7)
+    sim = SimRanks(2, HIDDEN, F16, max_tokens=3, num_blocks=1, ptx=ptx)
+    inputs = ar._make(2, 3, HIDDEN, F16, "fused", gen)
+    ar._check(sim.call("twoshot", inputs), inputs, F16)
+
+
+def _flag_offset(seq, round_, block, sender):
+    """flags[seq & 1][round][block][sender] in struct Signals."""
+    return _FLAGS + ((((seq & 1) * 2 + round_) * 128 + block) * 8 + sender) * 8
+
+
+def case_pull_block_late(ptx):
+    """One-shot pull, 2 ranks, 2 blocks, 1 row (block 0's). Rank 1's block 1, with no row to copy,
+    has raised its flag (written here by hand); its block 0 is late: it has neither copied row 0
+    nor raised its flag. Rank 0's block 1 must leave row 0 alone, and its block 0, as rank 1's
+    block 0 never comes, reports a timeout: row 0 of out is never written."""
+    gen = torch.Generator().manual_seed(9)
+    rows = 1
+    sim = SimRanks(2, HIDDEN, F16, max_tokens=rows, num_blocks=2, timeout_ns=1, ptx=ptx)
+    _write_u64(sim, 0, _flag_offset(1, 0, 1, 1), (1 << 32) | rows * HIDDEN * 2)
+    res = sim.call("oneshot_pull", [RankInput(torch.randn(rows, HIDDEN, generator=gen).to(F16)), None])[0]
+    assert (ar._bits(res.out) == 0x7E7E).all(), "mismatch: rank 0 wrote row 0 without rank 1's copy of it"
+    assert (res.error["code"], res.error["peer"], res.error["block"]) == (K_TIMEOUT, 1, 0), \
+        f"error word: {res.error}"
+
+
+def case_pull_rank_ahead(ptx):
+    """One-shot pull, 2 ranks, 1 block. Rank 1 is late in call 1: it has copied its rows into its
+    staging buffer and raised its flag (written here by hand, into both staging buffers), then
+    stalls. Rank 0 completes call 1, starts call 2 (copies its rows, raises its flags, and gives up
+    waiting: the tiny timeout). Then rank 1 runs call 1 and must still read rank 0's call-1 rows:
+    consecutive calls stage their rows in different buffers."""
+    gen = torch.Generator().manual_seed(11)
+    rows = 2
+    sim = SimRanks(2, HIDDEN, F16, max_tokens=rows, num_blocks=1, timeout_ns=1, ptx=ptx)
+    call1 = ar._make(2, rows, HIDDEN, F16, "sum", gen)
+    header = rows * HIDDEN * 2
+    for staging in sim.layout.staging:
+        sim.m.write(sim.bases[1] + staging, call1[1].x.contiguous().view(torch.int16).numpy())
+    _write_u64(sim, 0, _flag_offset(1, 0, 0, 1), (1 << 32) | header)
+    ar._check([sim.call("oneshot_pull", [call1[0], None])[0]], call1, F16)
+    call2 = RankInput(torch.randn(rows, HIDDEN, generator=gen).to(F16))
+    assert sim.call("oneshot_pull", [call2, None])[0].error["code"] == K_TIMEOUT
+    late = sim.call("oneshot_pull", [None, call1[1]])[1]
+    assert late.error["code"] == 0, f"error word: rank 1 reported {late.error}"
+    summed = sum(inp.x.float() for inp in call1).to(F16)  # from +0.0, in rank order, as ar._check sums
+    assert torch.equal(ar._bits(late.out), ar._bits(summed)), "mismatch: rank 1's sum of call 1 differs from the reference"
+
+
+def case_after_failure(ptx):
+    """One-shot pull, 2 ranks: a size mismatch fails call 1 on both ranks; the next call must do
+    nothing (no output, no counter change, the first error word kept)."""
+    gen = torch.Generator().manual_seed(13)
+    sim = SimRanks(2, HIDDEN, F16, max_tokens=3, num_blocks=1, ptx=ptx)
+    first = [RankInput(torch.randn(3, HIDDEN, generator=gen).to(F16)),
+             RankInput(torch.randn(2, HIDDEN, generator=gen).to(F16))]
+    words = [r.error for r in sim.call("oneshot_pull", first)]
+    assert all(w["code"] != 0 for w in words), f"error word: the size mismatch was not reported: {words}"
+    try:
+        ar._assert_failed_and_inert(sim, "oneshot_pull", [RankInput(torch.zeros(3, HIDDEN, dtype=F16))] * 2,
+                                    words, gen)
+    except AssertionError as e:
+        raise AssertionError(f"inert: {e}") from None
+
+
+def case_counter_wrap(ptx):
+    """One-shot pull, 2 ranks, the device call counter at 0xffffffff: the next call is number 2
+    (never 0: flag words never written since init_buffer read as call 0 with header 0)."""
+    gen = torch.Generator().manual_seed(15)
+    sim = SimRanks(2, HIDDEN, F16, max_tokens=2, num_blocks=1, ptx=ptx)
+    sim.set_call_counter(0xFFFFFFFF)
+    inputs = ar._make(2, 2, HIDDEN, F16, "sum", gen)
+    results = sim.call("oneshot_pull", inputs)
+    for rank, res in enumerate(results):
+        assert res.error["code"] == 0, f"error word: rank {rank} reported {res.error}"
+    ar._check(results, inputs, F16)
+    for rank in range(2):
+        assert (sim.block_state(rank)[:, 0] == 2).all(), f"rank {rank}: call counter {sim.block_state(rank)[:, 0]}"
+
+
+CASES = {
+    "push_peer_late": case_push_peer_late,
+    "push_torn_vector": functools.partial(case_push_peer_late, calls_before=0, torn=True),
+    "twoshot": case_twoshot,
+    "pull_block_late": case_pull_block_late,
+    "pull_rank_ahead": case_pull_rank_ahead,
+    "after_failure": case_after_failure,
+    "counter_wrap": case_counter_wrap,
+}
+
+# ---------------------------------------------------------------------------------- the mutants
+# name: (what, old text, new text, case, caught by). "caught by": "mismatch" (a wrong sum) or a
+# part of the failure's first line.
+MUTANTS = {
+    "push_slot_not_advanced": (
+        "push: BlockState.push_slot keeps the previous slot (rotation stuck)",
+        "    st->push_slot = slot;", "    st->push_slot = prev;", "push_peer_late", "error word"),
+    "push_no_rearm": (
+        "push: last_push_rows recorded as 0, so the used slot is never re-armed with the sentinel",
+        "    st->last_push_rows = p.rows;", "    st->last_push_rows = 0;", "push_peer_late", "error word"),
+    "sentinel_first_word_only": (
+        "push: has_sentinel checks only the first 32-bit word of the 16-byte vector",
+        "  for (int k = 0; k < 4; ++k)\n    if ((w[k]", "  for (int k = 0; k < 1; ++k)\n    if ((w[k]",
+        "push_torn_vector", "error word"),
+    "no_allgather_wait": (
+        "two-shot: no second flag round before reading the peers' gather buffers",
+        "  if (!block_barrier(p, seq, 1)) return;\n", "", "twoshot", "mismatch"),
+    "single_staging": (
+        "one-shot pull: one staging buffer for every call (staging[0] instead of [seq & 1])",
+        "const size_t staging = p.layout.staging[seq & 1];", "const size_t staging = p.layout.staging[0];",
+        "pull_rank_ahead", "mismatch"),
+    "pull_rows_of_next_block": (
+        "one-shot pull: block b sums the rows block b+1 copied (block-to-row mapping)",
+        "  for (int row = blockIdx.x; row < p.rows; row += gridDim.x) {\n    float acc[ITEMS][VEC];\n    sum_ranks",
+        "  for (int row = (blockIdx.x + 1) % gridDim.x; row < p.rows; row += gridDim.x) {\n"
+        "    float acc[ITEMS][VEC];\n    sum_ranks", "pull_block_late", "mismatch"),
+    "runs_after_failure": (
+        "calls queued behind a failure run (no rank_failed() check at kernel entry)",
+        "  return __syncthreads_or(\n      threadIdx.x == 0 &&", "  return __syncthreads_or(\n      false &&",
+        "after_failure", "inert"),
+    "seq_wraps_to_zero": (
+        "the call counter wraps to 0 (stale flag words read as call 0)",
+        "seq == 0xffffffffu ? 2u : seq + 1", "seq + 1", "counter_wrap", "error word"),
+}
+
+# Mutants only a weak-memory model catches: (what, old text, new text, why the interpreter cannot).
+EMULATOR_ONLY = {
+    "flag_without_fence": (
+        "block_barrier: no __threadfence_system and a relaxed (not st.release) flag store",
+        "    __threadfence_system();\n    store_release_sys(&signals_of(p, peer)->flags[seq & 1][round][b][p.rank], word);",
+        "    *reinterpret_cast<volatile uint64_t*>(&signals_of(p, peer)->flags[seq & 1][round][b][p.rank]) = word;",
+        "the interpreter's memory is sequentially consistent: every store is visible to every GPU in "
+        "program order, so the flag can never be seen before the staged rows it publishes; fences are "
+        "only counted"),
+}
+
+
+def _source():
+    with open(KERNEL_FILE, encoding="utf-8") as f:
+        return f.read()
+
+
+def patched(old, new):
+    text = _source()
+    assert text.count(old) == 1, f"mutant text found {text.count(old)} times in {CU}: {old!r}"
+    return text.replace(old, new)
+
+
+@functools.lru_cache(maxsize=None)
+def _all_ptx():
+    """The PTX of every mutant, compiled two at a time (cached by source hash across runs)."""
+    edits = {name: (m[1], m[2]) for name, m in {**MUTANTS, **EMULATOR_ONLY}.items()}
+    with concurrent.futures.ThreadPoolExecutor(2) as pool:
+        futures = {name: pool.submit(build.cuda_ptx_from_source, patched(old, new), "sm_120a", CU)
+                   for name, (old, new) in edits.items()}
+        return {name: f.result() for name, f in futures.items()}
+
+
+def mutant_ptx(name):
+    return _all_ptx()[name]
+
+
+def test_every_emulator_mutant_is_here():
+    """Every allreduce mutant of the hand emulator is re-expressed here (caught, or listed as
+    emulator-only with the reason)."""
+    from tools.kernel_emulators.check import MUTANTS as EMULATOR_MUTANTS
+    assert set(EMULATOR_MUTANTS["allreduce"]) == set(MUTANTS) | set(EMULATOR_ONLY)
+    assert not set(MUTANTS) & set(EMULATOR_ONLY)
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_unmutated_case_passes(case):
+    CASES[case](None)
+
+
+def _caught_by(err, first):
+    if isinstance(err, SimError):  # Hazard, Deadlock, an out-of-bounds access
+        return type(err).__name__
+    for tag in ("mismatch", "error word", "inert"):
+        if first.startswith(tag):
+            return tag
+    if " reported " in first:  # _check: an error word where the call must succeed
+        return "error word"
+    return "mismatch"
+
+
+@pytest.mark.parametrize("name", sorted(MUTANTS))
+def test_mutant_is_caught(name):
+    what, _, _, case, expect = MUTANTS[name]
+    with pytest.raises((AssertionError, SimError)) as info:
+        CASES[case](mutant_ptx(name))
+    err = info.value
+    first = (str(err).strip().splitlines() or [""])[0][:200]
+    got = _caught_by(err, first)
+    print(f"{name} ({what}) caught by case {case}, {got}: {first}")
+    assert got == expect, f"{name}: expected to be caught by {expect!r}, got {got}: {first}"
+
+
+@pytest.mark.parametrize("name", sorted(EMULATOR_ONLY))
+def test_emulator_only_mutant_passes_every_case(name):
+    """The limit of the sequentially consistent interpreter, checked: the edited kernel passes
+    every case here (tools/kernel_emulators/allreduce.py catches it)."""
+    what, _, _, why = EMULATOR_ONLY[name]
+    ptx = mutant_ptx(name)
+    for case in sorted(CASES):
+        CASES[case](ptx)
+    print(f"{name} ({what}) passes every case: {why}")
