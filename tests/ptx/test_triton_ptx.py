@@ -145,6 +145,27 @@ def test_tree_verify_fp32_ieee():
     torch.testing.assert_close(lse, ref_lse, atol=1e-4, rtol=1e-4)
 
 
+@pytest.mark.filterwarnings("ignore::RuntimeWarning")  # NaN / inf through numpy in the interpreter
+def test_tree_verify_nan_and_inf_inputs():
+    """The non-finite rules in compiled code (max.f32 ignores NaN operands, ex2.approx of -inf):
+    a NaN / inf logit a row sees makes its output and lse NaN, a NaN V entry its column, a row
+    that sees nothing gets zeros and lse -inf; every other row as the reference (3 splits)."""
+    from test_tree_verify import _expected_nonfinite, _nonfinite_case
+
+    dtype = torch.bfloat16
+    case = _nonfinite_case(dtype=dtype)
+    row_nan, col_nan, seen = _expected_nonfinite(case)
+    ref, ref_lse = spec_kernels.tree_verify_attention(*_f32(case.args), return_lse=True, impl="reference")
+    runner = TritonPtxRunner()
+    with runner.active():
+        out, lse = spec_kernels.tree_verify_attention(*case.args, return_lse=True, impl="triton", num_kv_splits=3)
+    assert torch.equal(torch.isnan(lse), row_nan)
+    assert torch.equal(torch.isnan(out), row_nan[..., None] | col_nan)
+    assert torch.all(out[~seen] == 0) and torch.all(lse[~seen] == float("-inf"))
+    torch.testing.assert_close(out.float(), ref, atol=TOL[dtype], rtol=TOL[dtype], equal_nan=True)
+    torch.testing.assert_close(lse, ref_lse, atol=1e-4, rtol=1e-4, equal_nan=True)
+
+
 def test_tree_verify_launch_configs_are_the_enumerated_ones():
     """The fixed tile the launcher picks for a GPU (the glue's default) is the one
     tools/triton_compile_report.py lists for that shape class (64 keys, 3 stages, 4 warps at D 64)."""
