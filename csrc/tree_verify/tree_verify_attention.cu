@@ -6,6 +6,9 @@
 // cp.async gathers (one slot id per KV row), then - in the last split only - the n_b draft slots.
 // Prefix tiles need no mask; only tail tiles test the row's 64-bit ancestor word.
 //
+// The slot ids of a tile are copied into shared memory (cp.async) two tiles ahead of its K/V
+// gather, so issuing the gather never waits for an index load.
+//
 // Few rows (decode: rows = group <= 16) would leave warps idle, so the 4 warps are arranged as
 // warps_m x warps_n: warps_n warps share the same 16 rows and take different keys of every tile,
 // each with its own online softmax, merged through shared memory at the end.
@@ -33,8 +36,11 @@ struct TileConfig {
   static constexpr int kMaxWarpsN = kStageKeys / 16;     // a warp takes >= 16 keys of a stage
   static constexpr int kMaxNTiles = kStageKeys / 8;      // n8 key tiles of one warp (warps_n = 1)
   static constexpr int kDvTiles = D / 8;                 // n8 tiles of the output row
-  // Q tile + two K stages + two V stages: 40 KB (D=64), 80 KB (D=128), 96 KB (D=256) <= 99 KB.
-  static constexpr int kSmemBytes = (kBlockM * D + 4 * kStageKeys * D) * 2;
+  // Slot ids of 4 tiles in flight (8 bytes each, int32 or int64 as given).
+  static constexpr int kIdxStages = 4;
+  static constexpr int kIdxBytes = kIdxStages * kStageKeys * 8;
+  // Q tile + two K stages + two V stages + slot ids: 42 KB (D=64), 82 KB (D=128), 97 KB (D=256).
+  static constexpr int kSmemBytes = (kBlockM * D + 4 * kStageKeys * D) * 2 + kIdxBytes;
   // The end-of-loop merge reuses that memory: per warp, per lane, the accumulators + m, l.
   static constexpr int kMergeFloats = kDvTiles * 4 + 4;
   static_assert(kWarps * kMergeFloats * 32 * 4 <= kSmemBytes, "merge buffer must fit");
@@ -50,6 +56,7 @@ __global__ void __launch_bounds__(kThreads) tree_verify_kernel(const TreeVerifyP
   T* s_q = reinterpret_cast<T*>(smem);
   T* s_k = s_q + kBlockM * D;
   T* s_v = s_k + 2 * kStageKeys * D;
+  uint8_t* s_idx = reinterpret_cast<uint8_t*>(s_v + 2 * kStageKeys * D);  // [kIdxStages][kStageKeys] x 8 B
 
   // ---- which rows, which request, which KV range
   const int group = p.num_q_heads / p.num_kv_heads;
@@ -108,17 +115,36 @@ __global__ void __launch_bounds__(kThreads) tree_verify_kernel(const TreeVerifyP
   auto tile_base = [&](int t) { return t < prefix_tiles ? lo + t * kStageKeys : prefix_len + (t - prefix_tiles) * kStageKeys; };
   auto tile_end = [&](int t) { return t < prefix_tiles ? hi : prefix_len + num_tail; };
 
+  // Tile t's slot ids into s_idx stage t % kIdxStages: one coalesced cp.async per key (thread r
+  // copies key r's id); ids past the range are not read (zero-fill).
+  auto load_indices = [&](int t) {
+    if (t >= total_tiles || threadIdx.x >= kStageKeys) return;
+    const int r = threadIdx.x;
+    const int base = tile_base(t), end = tile_end(t);
+    const int64_t at = kv_start + base + r;
+    const bool in_range = base + r < end && at >= 0 && at < p.num_indices;
+    const uint32_t dst = smem_addr(s_idx + ((t % Cfg::kIdxStages) * kStageKeys + r) * 8);
+    if (p.kv_indices_int64) {
+      cp_async_small<8>(dst, static_cast<const int64_t*>(p.kv_indices) + (in_range ? at : 0), in_range);
+    } else {
+      cp_async_small<4>(dst, static_cast<const int32_t*>(p.kv_indices) + (in_range ? at : 0), in_range);
+    }
+  };
+
   auto load_tile = [&](int t, int stage) {
     const int base = tile_base(t), end = tile_end(t);
     T* dst_k = s_k + stage * kStageKeys * D;
     T* dst_v = s_v + stage * kStageKeys * D;
+    const uint8_t* ids = s_idx + (t % Cfg::kIdxStages) * kStageKeys * 8;
     for (int i = threadIdx.x; i < kStageKeys * kChunks; i += kThreads) {
       const int r = i / kChunks, c = i % kChunks;
       // A slot id outside [0, S) (unchecked on the GPU unless in debug mode) is never followed: such a
       // key reads as a zero row (as in the reference and the Triton kernel).
       const int64_t at = kv_start + base + r;
       const bool in_range = base + r < end && at >= 0 && at < p.num_indices;
-      const int64_t slot = in_range ? load_slot(p, at) : 0;
+      const int64_t slot = !in_range ? 0
+                           : p.kv_indices_int64 ? *reinterpret_cast<const int64_t*>(ids + r * 8)
+                                                : static_cast<int64_t>(*reinterpret_cast<const int32_t*>(ids + r * 8));
       const bool valid = in_range && slot >= 0 && slot < p.num_slots;
       cp_async_16(smem_addr(dst_k + swizzled<kChunks>(r, c)), k_cache + slot * p.k_stride_s + c * 8, valid);
       cp_async_16(smem_addr(dst_v + swizzled<kChunks>(r, c)), v_cache + slot * p.v_stride_s + c * 8, valid);
@@ -146,12 +172,22 @@ __global__ void __launch_bounds__(kThreads) tree_verify_kernel(const TreeVerifyP
 #pragma unroll
   for (int j = 0; j < Cfg::kDvTiles; ++j) acc[j][0] = acc[j][1] = acc[j][2] = acc[j][3] = 0.f;
 
+  // Slot ids of tiles 0 and 1 (with Q), visible to every thread before the first gathers; from
+  // then on tile t + 3's ids travel with tile t + 1's K/V (stage t + 3 held tile t - 1's ids, last
+  // read before the previous iteration's barrier).
+  load_indices(0);
+  load_indices(1);
+  cp_async_commit();
+  cp_async_wait<0>();
+  __syncthreads();
   if (total_tiles > 0) load_tile(0, 0);
-  cp_async_commit();  // group 0: Q and tile 0
+  load_indices(2);
+  cp_async_commit();  // tile 0 (and tile 2's ids)
 
   for (int t = 0; t < total_tiles; ++t) {
     if (t + 1 < total_tiles) {
       load_tile(t + 1, (t + 1) & 1);
+      load_indices(t + 3);
       cp_async_commit();
       cp_async_wait<1>();
     } else {

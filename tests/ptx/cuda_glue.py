@@ -151,7 +151,7 @@ class PtxCudaOps:
         tname = "13__nv_bfloat16" if q.dtype == torch.bfloat16 else "6__half"
         # launch(): TileConfig<D>::kSmemBytes, 4 warps, 64 rows per CTA
         stage_keys = 32 if D >= 256 else 64
-        smem = (64 * D + 4 * stage_keys * D) * 2
+        smem = (64 * D + 4 * stage_keys * D) * 2 + 4 * stage_keys * 8   # + slot ids of 4 tiles
         m_blocks = -(-max_rows // 64)
         self._run(m, mod, f"tree_verify_kernelI{tname}Li{D}E", (B * Hkv * m_blocks, num_splits), (128,), [raw], smem)
         if num_splits > 1:

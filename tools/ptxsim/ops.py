@@ -944,6 +944,9 @@ def h_ld(c, parts, ops, pc):
                 r.load_depth[d] = depth
             if depth > r.stats.load_chain:
                 r.stats.load_chain = depth
+        else:   # shared / param data: no global round trip on this path
+            for d in dst_regs:
+                r.load_depth.pop(d, None)
     return _op(f)
 
 
