@@ -76,6 +76,18 @@ def test_benchmark_shapes_fill_the_waves(gpu, impl):
     assert not low and filled >= len(big), low
 
 
+@pytest.mark.parametrize("impl", ["cuda", "triton"])
+@pytest.mark.parametrize("gpu", GPUS)
+def test_kernel_benchmark_grid_plans(gpu, impl):
+    limits = lp.DEVICES[gpu]
+    for shape in lp.benchmark_shapes("tree-verify"):
+        _, p = lp.plan_shape(shape, limits, impl)
+        assert 1 <= p.splits <= p.max_splits == max(1, min(lp.MAX_KV_SPLITS, shape.L // lp.MIN_SPLIT_KEYS))
+        assert p.efficiency >= 0.9 or p.limit in ("keys", "cap"), (shape, p)
+        if shape.L >= 16384:  # 64 splits allowed: fills the waves unless 64 splits cannot fill one
+            assert p.efficiency >= 0.9 or (p.limit == "cap" and p.ctas * lp.MAX_KV_SPLITS < p.slots), (shape, p)
+
+
 @pytest.mark.parametrize("gpu", GPUS)
 def test_decode_b16_gqa_32_4(gpu):
     # B=16 decode, Hq/Hkv = 32/4: 64 CTAs per split; 2x-SM sizing gave 5 splits on H200 (320 CTAs on

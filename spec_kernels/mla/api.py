@@ -151,8 +151,9 @@ def mla_tree_verify_attention(
         return_lse: also return the natural-log log-sum-exp of each row's logits, fp32 [T, H].
         out: optional [T, H, v_head_dim] output buffer (q's dtype, contiguous), written and returned.
         impl: "cuda", "triton" or "reference" to force one; default the fastest available.
-        num_kv_splits: split every prefix into this many parts (1..64); default from the batch
-            shape and the GPU's SM count, never from the tensors' values.
+        num_kv_splits: split every prefix into this many parts (1..64); default from the shapes
+            and the GPU (the CTAs it holds at once, tree_verify.launch_plan), never from the
+            tensors' values.
         max_draft_tokens: an upper bound of every n_b (1..64): sizes the launch (default min(T, 64)).
 
     Returns:

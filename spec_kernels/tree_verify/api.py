@@ -213,7 +213,8 @@ def tree_verify_attention(
         out: optional [T, Hq, Dv] output buffer (q's dtype), written in place and returned.
         impl: "cuda", "triton" or "reference" to force one; default the fastest available.
         num_kv_splits: split every prefix into this many parts (flash-decoding); default from
-            the batch shape and the GPU's SM count, never from the tensors' values.
+            the shapes and the GPU (the CTAs it holds at once, tree_verify.launch_plan), never
+            from the tensors' values.
         max_draft_tokens: an upper bound of every n_b (1..64), e.g. the server's draft-token
             count; it only sizes the launch (default min(T, 64)). A request with more drafts
             than this bound is a contract violation: checked on CPU / in debug mode, and its

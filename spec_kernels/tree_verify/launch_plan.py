@@ -20,8 +20,9 @@ threads and shared memory: :func:`resident_ctas_per_sm`). With keys per split = 
 splits, the time is proportional to ``waves / splits``, i.e. inversely to the wave efficiency
 ``ctas x splits / (waves x slots)``. :func:`plan` picks the fewest splits whose efficiency is
 within EFFICIENCY_TOLERANCE of the best one reachable, where a split keeps at least
-MIN_SPLIT_KEYS prefix keys (below that the merge and the partial writes cost more than the
-parallelism brings) and there are at most MAX_KV_SPLITS. Fewer splits among near-equals: less
+MIN_SPLIT_KEYS prefix keys (the kernels enforce it too: a split's fixed costs, the Q tile, the
+partial output and its share of the merge, stay small beside its keys) and there are at most
+MAX_KV_SPLITS. Fewer splits among near-equals: less
 merge work and fewer fp32 partial outputs.
 
 The prefix length comes from shapes too: kv_indices holds every request's slots, so
@@ -35,7 +36,6 @@ from __future__ import annotations
 
 import argparse
 import functools
-import math
 from dataclasses import dataclass
 from typing import Callable, Optional, Sequence, Union
 
@@ -283,9 +283,17 @@ class Shape:
     mla: bool = False
 
 
-def benchmark_shapes() -> list[Shape]:
-    """The decode-step benchmark's full grid (benchmarks/decode_step_models.py, preset `gpu`):
-    per-rank attention of its models at every B, n (and n = 1: plain decode), L = 2048."""
+def benchmark_shapes(grid: str = "decode-step") -> list[Shape]:
+    """The benchmarks' GPU grids (preset `gpu`). "decode-step" (benchmarks/decode_step_models.py):
+    per-rank attention of its models at every B and n (n = 1: plain decode), L = 2048.
+    "tree-verify" (benchmarks/test_tree_verify.py, benchmarks/_timing.py): GQA 32/4 and 32/8,
+    D = 128, B in 1..64, L in 1024..32768, n in 1..64."""
+    if grid == "tree-verify":
+        return [Shape(f"gqa-{hq}/{hkv}", B, hq, hkv, 128, L, n)
+                for hq, hkv in ((32, 4), (32, 8)) for n in (1, 16, 32, 64)
+                for L in (1024, 4096, 16384, 32768) for B in (1, 8, 32, 64)]
+    if grid != "decode-step":
+        raise ValueError(f"grid must be 'decode-step' or 'tree-verify', got {grid!r}")
     models = [("llama-3.1-8b-tp1", 32, 8, 128, False), ("llama-3.3-70b-tp8", 8, 1, 128, False),
               ("deepseek-v3-tp8", 16, 1, 576, True), ("kimi-k2.5-tp8", 8, 1, 576, True)]
     return [Shape(m, B, hq, hkv, d, 2048, n, mla)
@@ -345,9 +353,11 @@ def main(argv: Optional[Sequence[str]] = None, prog: str = "python -m spec_kerne
                                  description="KV-split plan of the decode-step benchmark shapes on a named GPU.")
     ap.add_argument("--gpu", choices=sorted(DEVICES), default="h200")
     ap.add_argument("--impl", choices=("cuda", "triton"), default="cuda")
+    ap.add_argument("--grid", choices=("decode-step", "tree-verify"), default="decode-step",
+                    help="the decode-step benchmark's models (default) or the tree-verify kernel benchmark's grid")
     ap.add_argument("--model", default="", help="only the shapes of this model preset")
     opts = ap.parse_args(argv)
-    shapes = [s for s in benchmark_shapes() if not opts.model or s.model == opts.model]
+    shapes = [s for s in benchmark_shapes(opts.grid) if not opts.model or s.model == opts.model]
     print(format_table(shapes, DEVICES[opts.gpu], opts.impl))
     return 0
 
