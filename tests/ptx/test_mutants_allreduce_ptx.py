@@ -90,11 +90,12 @@ def case_push_peer_late(ptx, calls_before=3, torn=False):
 
 
 def case_twoshot(ptx):
-    """Two-shot, 2 ranks, 1 block, 3 rows (rank 0 reduces row 0, rank 1 rows 1-2): rank 0 reads
-    rank 1's share while rank 1 is still reducing it unless the second flag round holds it."""
+    """Two-shot, 2 ranks, 1 block, 3 rows (rank 0 reduces row 0, rank 1 rows 1-2): without the
+    second flag round a rank reads a peer's share before the peer has stored it (here rank 1
+    reads rank 0's row 0 as the zeros init_buffer left)."""
     gen = torch.Generator().manual_seed(7)
     sim = SimRanks(2, HIDDEN, F16, max_tokens=3, num_blocks=1, ptx=ptx)
-    inputs = ar._make(2, 3, HIDDEN, F16, "fused", gen)
+    inputs = ar._make(2, 3, HIDDEN, F16, "sum", gen)
     ar._check(sim.call("twoshot", inputs), inputs, F16)
 
 
