@@ -395,7 +395,7 @@ def norm_corruption(data, kw: dict, kind: str) -> Bad:
         dim = data.draw(st.integers(0, t.dim() - 1), label="dim")
         size = new_size(data, t.shape[dim])
         kw[arg] = resized(data, t, dim, size)
-        # x's row count may change alone only if nothing else has rows; every other change is a mismatch
+        # x, residual, weight and the outputs must agree: any one size changed alone is a mismatch
         return Bad(arg, kind, f"dim {dim}: {t.shape[dim]} -> {size}", "raise")
     if kind == "nonfinite":
         kw[arg], how = poison(data, kw[arg])
@@ -536,7 +536,7 @@ def test_fuzz_fused_allreduce_add_rmsnorm(single_rank_group, kind, data):
             bad = Bad(arg, kind, f"{ar[arg].shape[0]} rows", "either" if arg == "x" and "out" not in ar else "raise")
         elif kind == "nonfinite":
             ar[arg], how = poison(data, ar[arg])
-            bad = Bad(arg, kind, how, "legal" if arg == "x" else "legal")
+            bad = Bad(arg, kind, how, "legal")  # NaN/inf in x is summed like any value; out is overwritten
         elif kind == "duplicate":
             ar["out"] = ar["x"]
             bad = Bad("out", kind, "out is x (in place)", "legal")
@@ -544,7 +544,6 @@ def test_fuzz_fused_allreduce_add_rmsnorm(single_rank_group, kind, data):
             bad = meta_corruption(data, ar, kind, arg, {"x": (comm.dtype,), "out": (comm.dtype,)})
         ref = ar["x"].clone() if ar["x"].device.type == "cpu" else None
         check_outcome(bad, ar, lambda: comm.all_reduce(**ar), lambda: ref)
-    assert comm.seq >= 0
 
 
 # =========================================================================== KV slots
@@ -578,10 +577,10 @@ def _same_state(before: list[torch.Tensor], after: list[torch.Tensor], what: str
 
 @st.composite
 def kv_pool(draw):
-    """A pool with some admitted requests: (state dict, lens {row: length}, page_size, max_draft)."""
+    """A pool with some admitted requests: (state dict, lens {row: length}, page_size)."""
     P = draw(st.sampled_from([1, 2, 4]), label="page_size")
-    num_pages = draw(st.integers(2, 8), label="pages")
-    R = draw(st.integers(1, 4), label="rows")
+    num_pages = draw(st.integers(4, 12), label="pages")
+    R = draw(st.integers(2, 4), label="rows")
     ctx = 12
     rtt_dtype = draw(st.sampled_from(INDEX), label="req_to_token dtype")
     order = draw(st.permutations(list(range(num_pages))), label="stack order")
@@ -591,7 +590,7 @@ def kv_pool(draw):
     for r in range(R):
         if draw(st.integers(0, 4), label=f"skip row {r} (if 4)") == 4:
             continue
-        L = draw(st.integers(0, 6), label="prompt length")
+        L = draw(st.integers(0, 5), label="prompt length")
         if kv_ref.pages_spanned(0, L, P) > int(state["num_free"]):
             continue
         out, status = torch.empty(L, dtype=torch.int64), torch.empty(kv_ref.STATUS_LEN, dtype=torch.int64)
@@ -612,10 +611,12 @@ def alloc_call(draw, pool=None):
     ctx = state["req_to_token"].shape[1]
     max_draft = draw(st.sampled_from([4, 64]), label="max_draft")
     rows = draw(st.permutations(sorted(lens)), label="batch order")
-    rows = rows[:len(rows) - draw(st.integers(0, len(rows)), label="requests left out")]
+    rows = rows[:len(rows) - draw(st.sampled_from([0, 0, 0, 1, len(rows)]), label="requests left out")]
     counts, pages = [], 0
     for r in rows:
-        n = draw(st.integers(0, min(max_draft, ctx - lens[r], 5)), label="num_draft")
+        most = min(max_draft, ctx - lens[r], 5)
+        n = draw(st.integers(1, most) if most and draw(st.integers(0, 3), label="no drafts (if 0)") else st.just(0),
+                 label="num_draft")
         need = kv_ref.pages_spanned(lens[r], lens[r] + n, P)
         if pages + need > int(state["num_free"]):
             n, need = 0, 0
