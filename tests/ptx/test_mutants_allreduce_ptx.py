@@ -7,15 +7,16 @@ refactor that moves it fails here loudly instead of testing nothing). The edited
 compiled to sm_120a PTX and runs on 2 simulated GPUs sharing their IPC buffers
 (tests/ptx/allreduce_glue.py). Each mutant names the check that must catch it: a wrong sum
 ("mismatch"), a wrong host error word ("error word": an error where the call must succeed, none
-where it must report one) or a call after a failure that still runs ("inert"); so a case that stops reaching the bug's path fails here too.
+where it must report one) or a call after a failure that still runs ("inert"); so a case that stops
+reaching the bug's path fails here too.
 
-Some cases set up by hand a state that real hardware reaches but the interpreter's lockstep calls
-do not (the calls of all ranks start together and its memory is sequentially consistent): a peer
-whose header arrived but whose rows are still in flight, a 16-byte push vector of which only the
-first word landed (vector stores are single-copy atomic per element, not as a whole), a rank that
-runs one call ahead of a late peer, a block of a peer that is late while its other block has met
-ours. They write exactly what the peer's kernel would have written
-by then.
+Some cases set up by hand a state that real hardware reaches but the interpreter does not by
+itself (the calls of all ranks start together, the warps furthest behind run first, and memory is
+sequentially consistent): a peer whose header arrived but whose rows are still in flight, a
+16-byte push vector of which only the first word landed (vector stores are single-copy atomic per
+element, not as a whole), a rank that runs one call ahead of a late peer, a block of a peer that
+is late while its other block has met ours. They write exactly what the peer's kernel would have
+written by then.
 
 EMULATOR_ONLY lists the mutants a sequentially consistent interpreter cannot catch (a missing
 fence, a relaxed instead of a release store: only the order in which other GPUs see stores
@@ -141,7 +142,8 @@ def case_pull_rank_ahead(ptx):
     late = sim.call("oneshot_pull", [None, call1[1]])[1]
     assert late.error["code"] == 0, f"error word: rank 1 reported {late.error}"
     summed = sum(inp.x.float() for inp in call1).to(F16)  # from +0.0, in rank order, as ar._check sums
-    assert torch.equal(ar._bits(late.out), ar._bits(summed)), "mismatch: rank 1's sum of call 1 differs from the reference"
+    assert torch.equal(ar._bits(late.out), ar._bits(summed)), \
+        "mismatch: rank 1's sum of call 1 differs from the reference"
 
 
 def case_after_failure(ptx):
@@ -224,7 +226,8 @@ MUTANTS = {
 EMULATOR_ONLY = {
     "flag_without_fence": (
         "block_barrier: no __threadfence_system and a relaxed (not st.release) flag store",
-        "    __threadfence_system();\n    store_release_sys(&signals_of(p, peer)->flags[seq & 1][round][b][p.rank], word);",
+        "    __threadfence_system();\n"
+        "    store_release_sys(&signals_of(p, peer)->flags[seq & 1][round][b][p.rank], word);",
         "    *reinterpret_cast<volatile uint64_t*>(&signals_of(p, peer)->flags[seq & 1][round][b][p.rank]) = word;",
         "the interpreter's memory is sequentially consistent: every store is visible to every GPU in "
         "program order, so the flag can never be seen before the staged rows it publishes; fences are "
