@@ -13,9 +13,8 @@ must be caught by, so a case that stops reaching the bug's path fails here too:
 - a shared-memory race, or a Deadlock (every block polls for a verdict nobody publishes).
 
 A removed __syncwarp between reading and rewriting a request's draft slots (page size 1) is a race
-on GLOBAL memory between lanes of one warp. The interpreter runs the converged lanes of a warp in
-lock-step and checks races on shared memory only, so it cannot see that one: the mutant is listed
-as a strict xfail, which turns into a failure the day the interpreter learns to catch it.
+on GLOBAL memory between lanes of one warp; the interpreter's intra-CTA global race check finds it
+although the converged lanes run in lock-step.
 """
 from __future__ import annotations
 
@@ -43,6 +42,7 @@ pytestmark = pytest.mark.skipif(build.find_nvcc() is None,
 
 KV = "kv_slots/kv_slots.cu"
 RACE = "shared-memory race"
+GLOBAL_RACE = "global-memory race"
 DIFFERS = "differs from the reference"
 NOT_REFUSED = "refusal not given"
 CHANGED = "changed although the call was refused"
@@ -53,7 +53,7 @@ DEADLOCK = "Deadlock"
 MUTANTS = {
     "no_syncwarp": (
         "page_size 1 commit: no __syncwarp between reading and rewriting the draft slots",
-        "        __syncwarp();\n", "", "commit_page1", "not caught"),
+        "        __syncwarp();\n", "", "commit_page1", GLOBAL_RACE),
     "no_analyze_sync": (
         "pass 1: no __syncthreads between analyze_tile and reading the tile",
         "    op.analyze_tile(tile, t0, len, true);\n    __syncthreads();\n",
@@ -256,11 +256,7 @@ def test_unmutated_case_passes(case):
     CASES[case](Ops())
 
 
-@pytest.mark.parametrize("name", [
-    pytest.param(n, marks=pytest.mark.xfail(strict=True, raises=pytest.fail.Exception,
-                                            reason="a global-memory race inside one warp: the interpreter runs "
-                                                   "converged lanes in lock-step")) if MUTANTS[n][4] == "not caught"
-    else n for n in sorted(MUTANTS)])
+@pytest.mark.parametrize("name", sorted(MUTANTS))
 def test_mutant_is_caught(name):
     what, old, new, case, expect = MUTANTS[name]
     ops = Ops(patched={KV: patched(old, new)})

@@ -272,6 +272,8 @@ class _Run:
     def __init__(self, machine, spec: Launch, module_vars):
         self.m = machine
         self.spec = spec
+        machine._runs_started = getattr(machine, "_runs_started", 0) + 1
+        self.run_id = machine._runs_started
         e = spec.entry
         self.entry = e
         gx, gy, gz = (tuple(spec.grid) + (1, 1, 1))[:3]

@@ -106,6 +106,55 @@ class GlobalMemory:
     def check(self, addrs, width, what):
         return self._translate(addrs, width, what)
 
+    # ------------------------------------------------------------------ intra-CTA races
+    def race_check(self, run, tids, addrs, width, write, what):
+        """Global-memory races between threads of one CTA: an access to a byte that another
+        thread of the same CTA of the same launch wrote (or, for a write, read) with neither a
+        bar.sync nor - same warp - a bar.warp.sync in between. Threads of different CTAs order
+        through fences and atomics, which are not modelled: they are not checked."""
+        shadows = getattr(self, "_shadows", None)
+        if shadows is None:
+            shadows = self._shadows = {}
+        for idx, buf, o, name in self._translate(addrs, width, what, names=True):
+            rid = (int(addrs[idx[0]]) - GLOBAL_BASE) >> REGION_SHIFT
+            sh = shadows.get(rid)
+            if sh is None or sh["w_tid"].size != buf.size:
+                n = buf.size
+                sh = shadows[rid] = {k: np.full(n, -1, np.int64) for k in ("w_tid", "w_run", "r_tid", "r_run")}
+                sh.update({k: np.zeros(n, np.int64) for k in ("w_ep", "w_wep", "r_ep", "r_wep")})
+            flat = (o[:, None] + np.arange(width)).ravel()
+            t = np.repeat(tids[idx], width)
+            cta = run.cta_of[t]
+            gw = run.warp_of[t]
+            ep, wep = run.smem.cta_epoch[cta], run.smem.warp_epoch[gw]
+
+            def unordered(tid_a, run_a, ep_a, wep_a):
+                same = (run_a == run.run_id) & (tid_a >= 0) & (tid_a != t)
+                other = np.where(tid_a >= 0, tid_a, 0)
+                same &= run.cta_of[np.minimum(other, run.N - 1)] == cta
+                same &= ep_a == ep
+                same &= ~((run.warp_of[np.minimum(other, run.N - 1)] == gw) & (wep_a < wep))
+                return same
+
+            bad = unordered(sh["w_tid"][flat], sh["w_run"][flat], sh["w_ep"][flat], sh["w_wep"][flat])
+            kind = "written"
+            if write and not bad.any():
+                bad = unordered(sh["r_tid"][flat], sh["r_run"][flat], sh["r_ep"][flat], sh["r_wep"][flat])
+                kind = "read"
+            if bad.any():
+                i = np.nonzero(bad)[0][0]
+                other = int((sh["w_tid"] if kind == "written" else sh["r_tid"])[flat[i]])
+                raise Hazard(f"global-memory race in {name!r}: {'write' if write else 'read'} by thread "
+                             f"{int(t[i]) % run.tpc} of CTA {int(cta[i])} at byte {int(flat[i])}, {kind} by thread "
+                             f"{other % run.tpc} of the same CTA with no barrier (or __syncwarp) in between")
+            pre = "w_" if write else "r_"
+            sh[pre + "tid"][flat] = t
+            sh[pre + "run"][flat] = run.run_id
+            sh[pre + "ep"][flat] = ep
+            sh[pre + "wep"][flat] = wep
+            if write:
+                sh["r_tid"][flat] = -1
+
 
 class SharedMemory:
     """Shared memory of every CTA of one launch, with a shadow that finds races at lane level.

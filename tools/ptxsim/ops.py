@@ -872,6 +872,8 @@ class _Access:
             return r.params[off[:, None] + np.arange(width)]
         if space in ("global", "const"):
             before = m.mem.bytes_read
+            if m.check_races and self.what != "atomic":
+                m.mem.race_check(r, tids, addrs.astype(np.uint64), width, False, "load")
             out = m.mem.load(addrs.astype(np.uint64), width)
             r.stats.global_read += m.mem.bytes_read - before
             return out
@@ -889,6 +891,8 @@ class _Access:
             return None
         if self.space == "global":
             before = m.mem.bytes_written
+            if m.check_races and self.what != "atomic":
+                m.mem.race_check(r, tids, addrs.astype(np.uint64), width, True, "store")
             m.mem.store(addrs.astype(np.uint64), data)
             r.stats.global_written += m.mem.bytes_written - before
             return None
@@ -927,7 +931,9 @@ def h_ld(c, parts, ops, pc):
         raise SimError(f"{'.'.join(parts)} with {len(dsts)} destinations")
     writers = [c.wr(d, typ) for d in dsts]
     addr = _addr_fn(c, ops[1])
-    acc = _Access(c, space, "load")
+    # volatile / acquire / relaxed accesses are the kernels' flag protocols (ordered by the memory
+    # model, not by barriers): no race check, like atomics
+    acc = _Access(c, space, "atomic" if {"volatile", "acquire", "relaxed"} & set(parts) else "load")
     src_regs = [ops[1].name] if ops[1].base_kind == "reg" else []
     dst_regs = [d.name for d in dsts if d.kind == "reg"]
     r = c.r
@@ -956,7 +962,7 @@ def h_st(c, parts, ops, pc):
     srcs = ops[1].items if ops[1].kind == "vec" else (ops[1],)
     readers = [c.rd(s, typ) for s in srcs]
     addr = _addr_fn(c, ops[0])
-    acc = _Access(c, space, "store")
+    acc = _Access(c, space, "atomic" if {"volatile", "release", "relaxed"} & set(parts) else "store")
 
     def f(sel, tids):
         a = addr(sel, tids)
