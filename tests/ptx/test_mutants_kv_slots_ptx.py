@@ -1,6 +1,6 @@
 """Deliberate bugs in the KV-slot kernels (csrc/kv_slots/kv_slots.cu) must make their PTX tests fail.
 
-The mutants are tools/kernel_emulators/check.py MUTANTS["kv_slots"] re-expressed as edits of the
+The mutants are the former kv_slots hand emulator's mutants re-expressed as edits of the
 .cu: each edit's text must occur exactly once (a refactor that moves it fails here loudly instead
 of testing nothing). The edited source is compiled to sm_120a PTX and one small case runs on the
 interpreter, next to the reference on a copy of the same arguments. Each mutant names the check it

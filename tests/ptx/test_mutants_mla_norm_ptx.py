@@ -45,7 +45,7 @@ ROW = "norm/rmsnorm_row.cuh"
 RACE = "shared-memory race"
 # name: (file, what, old text, new text, caught by)
 MUTANTS = {
-    # ---- MLA (tools/kernel_emulators/check.py MUTANTS["mla"])
+    # ---- MLA (the former MLA hand emulator's mutants)
     "mla_k_rows_chunks_swapped": (
         MLA, "K B-fragment ldmatrix: key-row and chunk lane mappings swapped",
         "swizzled<kChunks>((lane / 16) * 8 + lane % 8, kk * 2 + lane / 8 % 2)",

@@ -1,7 +1,10 @@
 #!/usr/bin/env python
-"""Run the kernel emulators against the package's reference implementations (no GPU needed).
+"""Run the allreduce protocol emulator against the package's reference implementations (no GPU needed).
 
-    python tools/kernel_emulators/check.py [tree_verify|mla|kv_slots|allreduce|norm|all] [--quick] [-v]
+The other kernels' emulators were retired: tests/ptx runs their compiled PTX instead (and their
+deliberate bugs live on as .cu edits in tests/ptx/test_mutants*_ptx.py).
+
+    python tools/kernel_emulators/check.py [allreduce|all] [--quick] [-v]
     python tools/kernel_emulators/check.py KERNEL --mutant NAME   # one deliberate bug: must FAIL
     python tools/kernel_emulators/check.py all --mutants --quick  # every deliberate bug must be caught
     python tools/kernel_emulators/check.py --list-mutants
@@ -26,82 +29,11 @@ for p in (str(HERE), str(REPO)):
     if p not in sys.path:
         sys.path.insert(0, p)
 
-KERNELS = ("tree_verify", "mla", "kv_slots", "allreduce", "norm")
+KERNELS = ("allreduce",)
 
 # Deliberate bugs, each a one-expression patch of an emulator's source: (what, old text, new text).
 # `--mutants` checks that the cases catch every one (by a mismatch, a race or an out-of-bounds).
 MUTANTS = {
-    "tree_verify": {
-        "v_not_transposed": ("V read with ldmatrix without .trans",
-                             "d + LANE // 16), warp, trans=True)", "d + LANE // 16), warp, trans=False)"),
-        "v_rows_from_lane16": ("V ldmatrix: key row block from lane / 16 instead of lane / 8 % 2",
-                               "v_s + swizzled(kChunks, key0 + j * 8 + (LANE // 8 % 2) * 8 + LANE % 8,",
-                               "v_s + swizzled(kChunks, key0 + j * 8 + (LANE // 16) * 8 + LANE % 8,"),
-        "k_chunk_from_lane16": ("K ldmatrix: k chunk from lane / 16 instead of lane / 8 % 2",
-                                "kk * 2 + LANE // 8 % 2), warp)", "kk * 2 + LANE // 16), warp)"),
-        "p_fragment_order": ("P as A fragment: registers a1 and a2 swapped",
-                             "np.stack([s[j][:, 0:2], s[j][:, 2:4], s[j + 1][:, 0:2], s[j + 1][:, 2:4]])",
-                             "np.stack([s[j][:, 0:2], s[j + 1][:, 0:2], s[j][:, 2:4], s[j + 1][:, 2:4]])"),
-        "prefetch_into_current_stage": ("the prefetch of tile t+1 goes to stage t & 1",
-                                        "load_tile(t + 1, (t + 1) & 1)", "load_tile(t + 1, t & 1)"),
-        "wait_group_2": ("cp.async.wait_group 2 instead of 1", "smem.wait_group(1)", "smem.wait_group(2)"),
-        "no_loop_top_sync": ("no __syncthreads after the wait",
-                             "smem.syncthreads()  # the tile (and Q) visible", "pass  # the tile (and Q) visible"),
-        "no_loop_end_sync": ("no __syncthreads at the end of the tile loop",
-                             "smem.syncthreads()  # the stage is refilled", "pass  # the stage is refilled"),
-        "no_merge_entry_sync": ("no __syncthreads before the warps_n merge reuses the tiles' memory",
-                                "smem.syncthreads()  # Q/K/V tiles are dead", "pass  # Q/K/V tiles are dead"),
-        "tail_mask_off_by_one": ("tail mask bit pos - prefix_len + 1",
-                                 "min(int(pos[l] - prefix_len), 63)", "min(int(pos[l] - prefix_len + 1), 63)"),
-    },
-    "mla": {
-        "k_rows_chunks_swapped": ("K B-fragment ldmatrix: key-row and chunk lane mappings swapped",
-                                  "swizzled(kChunks, (LANE // 16) * 8 + LANE % 8, kk * 2 + LANE // 8 % 2)",
-                                  "swizzled(kChunks, (LANE // 8 % 2) * 8 + LANE % 8, kk * 2 + LANE // 16)"),
-        "v_not_transposed": ("V read with ldmatrix without .trans", "warp, trans=True)", "warp, trans=False)"),
-        "p_fragment_order": ("P as A fragment: register a1 takes n-tile 1's rows g",
-                             "s[warp, mt, 0][:, 0:2], s[warp, mt, 0][:, 2:4],",
-                             "s[warp, mt, 0][:, 0:2], s[warp, mt, 1][:, 0:2],"),
-        "own_partial_only": ("each warp sums its own S partial four times",
-                             "x += smem.ld_f32(s_part + w * kPartialFloats",
-                             "x += smem.ld_f32(s_part + warp * kPartialFloats"),
-        "wait_group_2": ("cp.async.wait_group 2 instead of 1", "smem.wait_group(1)", "smem.wait_group(2)"),
-        "no_loop_top_sync": ("no __syncthreads after the wait",
-                             "smem.syncthreads()  # the tile (and Q) visible", "pass  # the tile (and Q) visible"),
-        "no_publish_sync": ("no __syncthreads between publishing and summing the S partials",
-                            "smem.syncthreads()  # the S partials published", "pass  # the S partials published"),
-        "no_loop_end_sync": ("no __syncthreads at the end of the tile loop",
-                             "smem.syncthreads()  # the stage and the partials", "pass  # the stage and the partials"),
-    },
-    "kv_slots": {
-        "no_syncwarp": ("page_size 1 commit: no __syncwarp between reading and rewriting the draft slots",
-                        "blk.syncwarp(w)", "pass"),
-        "no_analyze_sync": ("pass 1: no __syncthreads between analyze_tile and reading the tile",
-                            "        op.analyze_tile(blk, tile, t0, ln, True)\n        blk.sync()\n",
-                            "        op.analyze_tile(blk, tile, t0, ln, True)\n"),
-        "pop_off_by_one": ("alloc pops stack entry top - count - k instead of top - 1 - count - k",
-                           "top - 1 - t.count.ld(i, ctx)", "top - t.count.ld(i, ctx)"),
-        "first_freed_page": ("commit frees pages from roundup(L + k + 1) instead of roundup(L + k)",
-                             "first = roundup(L + k, log2p)", "first = roundup(L + k + 1, log2p)"),
-        "moves_reversed": ("KV rows moved in reverse path order", "for j in range(k):", "for j in reversed(range(k)):"),
-        "no_verdict_wait": ("move blocks move rows whatever the verdict",
-                            "    if not moves or verdict != OK:\n        return\n",
-                            "    if not moves:\n        return\n"),
-        "tag_ignored": ("the election ignores the tag (stale scratch: nobody keeps the books)",
-                        "    if (seen >> TAG_SHIFT) == tag:\n        return False",
-                        "    if seen != 0:\n        return False"),
-        "no_scratch_reset": ("the last block leaves the scratch as it is",
-                             "            c.move_sync.w[i] = 0", "            pass"),
-        "done_not_zeroed": ("the bookkeeper does not zero the count of finished blocks",
-                            "            self.c.move_sync.w[2] = self.c.move_tag << TAG_SHIFT\n", ""),
-        "draft_state_unchecked": ("commit pass 1: draft slots not checked to be on held pages",
-                                  "(not check_state or a.page_state.ld(slot >> a.log2_page_size, ctx) == PAGE_HELD)",
-                                  "True"),
-        "no_claim_rollback": ("commit: a page claimed twice refuses the call but the claims stay (kPageMark left)",
-                              "lambda p, ctx: ps.xchg(p, PAGE_HELD, ctx) and False)\n", "lambda p, ctx: False)\n"),
-        "popped_left_claimed": ("alloc: the popped pages keep kPageMark instead of becoming held",
-                                "        self.settle(blk, t, top, pages, PAGE_HELD)\n", ""),
-    },
     "allreduce": {
         "push_slot_not_advanced": ("push: BlockState.push_slot keeps the previous slot (rotation stuck)",
                                    "    k.set_state(1, slot)", "    k.set_state(1, prev)"),
@@ -123,12 +55,6 @@ MUTANTS = {
                                "    return k.first_error_code() != 0", "    return False"),
         "seq_wraps_to_zero": ("the call counter wraps to 0 (stale flag words read as call 0)",
                               "    return 2 if seq == M32 else seq + 1", "    return (seq + 1) & M32"),
-    },
-    "norm": {
-        "warp_sum_missing_lane": ("warp_sum: the butterfly stops at offset 2 (lane l + l^1 never added)",
-                                  "for offset in (16, 8, 4, 2, 1):", "for offset in (16, 8, 4, 2):"),
-        "vector_path_any_hidden": ("launch_typed: vector path without the hidden % kVec == 0 test",
-                                   "vec_ok = (hidden % kVec == 0 and aligned16(x.addr)", "vec_ok = (aligned16(x.addr)"),
     },
 }
 
