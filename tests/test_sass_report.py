@@ -1,0 +1,86 @@
+"""tools/sass_report.py: the SASS figures of the CUDA tree-verify kernel (compiled with nvcc, read
+with cuobjdump; no GPU needed), and its def-use walk on hand-written SASS."""
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, REPO)
+
+from tools import sass_report  # noqa: E402
+from tools.sass_report import Ins, chain_depth, kv_loop  # noqa: E402
+
+KERNEL = "tree_verify_kernel<__half, 64>"
+
+
+def _ins(addr, text, guard=""):
+    op, _, rest = text.partition(" ")
+    return Ins(addr, guard, op, sass_report._split_operands(rest))
+
+
+def test_chain_depth_counts_a_load_whose_address_comes_from_a_global_load():
+    body = [_ins(0x00, "LDG.E R2, desc[UR4][R4.64]"),
+            _ins(0x10, "IMAD.WIDE R6, R2, 0x4, R8"),
+            _ins(0x20, "LDGSTS.E.BYPASS.128 [R10+0x4000], desc[UR4][R6.64], P0")]
+    assert chain_depth(body) == 2
+    # The same index read from shared memory (copied there by an earlier cp.async): one trip.
+    body[0] = _ins(0x00, "LDS R2, [R12]")
+    assert chain_depth(body) == 1
+    # A register overwritten with a value that no longer depends on the load breaks the chain.
+    body = [_ins(0x00, "LDG.E R2, desc[UR4][R4.64]"), _ins(0x08, "MOV R2, RZ"),
+            _ins(0x10, "IMAD.WIDE R6, R2, 0x4, R8"), _ins(0x20, "LDG.E R9, desc[UR4][R6.64]")]
+    assert chain_depth(body) == 1
+
+
+def test_chain_depth_carried_over_the_back_edge():
+    # The index loaded at the end of one iteration feeds the next iteration's gather.
+    body = [_ins(0x00, "IMAD.WIDE R6, R2, 0x4, R8"),
+            _ins(0x10, "LDGSTS.E.BYPASS.128 [R10], desc[UR4][R6.64], P0"),
+            _ins(0x20, "LDG.E R2, desc[UR4][R4.64]")]
+    assert chain_depth(body, 1) == 1
+    assert chain_depth(body, 2) == 2
+
+
+def test_kv_loop_is_the_innermost_backward_branch_with_hmma_and_ldgsts():
+    ins = [_ins(0x00, "MOV R1, RZ"),
+           _ins(0x10, "LDGSTS.E [R3], desc[UR4][R4.64]"),   # outer loop start
+           _ins(0x20, "HMMA.16816.F32 R8, R12, R16, R8"),  # inner loop start
+           _ins(0x30, "LDGSTS.E [R3], desc[UR4][R4.64]"),
+           _ins(0x40, "BRA 0x20", "P0"),
+           _ins(0x50, "BRA 0x10", "P1"),
+           _ins(0x60, "BRA 0x70"),                        # forward: not a loop
+           _ins(0x70, "EXIT")]
+    lp = kv_loop(ins)
+    assert (lp.start, lp.end, lp.instructions, lp.hmma, lp.ldgsts) == (0x20, 0x40, 3, 1, 1)
+    assert lp.per_hmma == 3.0
+
+
+def test_report_on_the_tree_verify_kernel(tmp_path):
+    if sass_report.find_nvcc() is None:
+        pytest.skip("nvcc not found (set CUDA_HOME): the report compiles csrc/ to cubins")
+    if sass_report.find_cuobjdump() is None:
+        pytest.skip("cuobjdump not found (shipped in the Triton wheel's backends/nvidia/bin, or a CUDA toolkit)")
+    out = tmp_path / "sass.json"
+    done = subprocess.run([sys.executable, os.path.join(REPO, "tools", "sass_report.py"), "--arch", "sm_120a",
+                           "--source", "csrc/tree_verify/tree_verify_attention.cu", "--filter", KERNEL,
+                           "--json", str(out)], capture_output=True, text=True, timeout=300, cwd=REPO)
+    assert done.returncode == 0, done.stderr[-3000:]
+    rows = json.loads(out.read_text())
+    assert [r["kernel"] for r in rows] == [KERNEL]
+    (row,) = rows
+    assert KERNEL in done.stdout
+    assert 0 < row["registers"] <= 255
+    assert row["spill_bytes"] == 0
+    # TileConfig<64>: Q tile + two K / V stages of 64 keys + the slot-id ring, under sm_120's 99 KB.
+    assert 64 * 64 * 2 < row["dynamic_smem"] <= 99 * 1024
+    assert row["resident_ctas"] >= 1
+    lp = row["loop"]
+    assert lp is not None and lp["hmma"] > 0 and lp["ldgsts"] > 0
+    assert lp["instructions"] > lp["hmma"] and lp["per_hmma"] > 1
+    # Slot ids reach shared memory by cp.async two tiles ahead: the K/V gather's address comes
+    # from a shared load, so a tile waits for one global round trip, not an index load first.
+    assert lp["round_trips"] == 1
+    assert lp["carried"] == 1
