@@ -127,9 +127,10 @@ _CUDA_THREADS = 128  # kWarps = 4 in both kernels
 
 
 def cuda_tree_verify_resources(head_dim: int) -> KernelResources:
-    """csrc/tree_verify/tree_verify_attention.cu: Q tile + two K and two V stages (TileConfig)."""
+    """csrc/tree_verify/tree_verify_attention.cu: Q tile + two K and two V stages + the slot ids of
+    4 tiles (TileConfig::kSmemBytes)."""
     stage_keys = 32 if head_dim >= 256 else 64
-    smem = (64 * head_dim + 4 * stage_keys * head_dim) * 2
+    smem = (64 * head_dim + 4 * stage_keys * head_dim) * 2 + 4 * stage_keys * 8
     return KernelResources(_CUDA_THREADS, CUDA_TREE_VERIFY_REGS.get(head_dim, 255), smem)
 
 
