@@ -4,7 +4,8 @@
 // (512 latent + 64 rope), the key of every query head; its first 512 values are the value. A CTA
 // (4 warps) owns up to 32 query rows of one (request, KV split): the request's n_b drafts x H
 // heads, packed (row = draft * H + head). It streams its share of the prefix through a
-// double-buffered shared-memory tile of 16 KV rows (cp.async gathers, one slot id per row), then
+// double-buffered shared-memory tile of 16 KV rows (cp.async gathers, one slot id per row, the ids
+// themselves copied into shared memory two tiles ahead), then
 // - last split only - the n_b draft slots; only those tail tiles test the 64-bit ancestor words.
 //
 // 576-wide rows do not fit the usual "each warp owns 16 rows" layout (a 16 x 512 fp32 accumulator
@@ -15,8 +16,8 @@
 //                every warp runs the same online softmax and no statistics are exchanged);
 //   O += P V   : every warp owns 128 of the 512 output columns for all rows; P stays in registers
 //                (the S accumulators are the A fragments) and V is the same smem tile as K.
-// Shared memory: Q tile (16 or 32 rows x 576) + two KV stages (16 x 576) + S partials = 58 KB /
-// 80 KB, under sm_120's 99 KB per block.
+// Shared memory: Q tile (16 or 32 rows x 576) + two KV stages (16 x 576) + S partials + slot ids
+// = 58.5 KB / 80.5 KB, under sm_120's 99 KB per block.
 //
 // With num_splits > 1 every split writes a normalised partial output and its base-2 log-sum-exp;
 // mla_merge_splits_kernel combines them in a fixed order (bitwise deterministic, no atomics).
@@ -45,7 +46,9 @@ struct MlaTile {
   static constexpr int kBlockM = 16 * kMTiles;
   static constexpr int kStageElems = kBlockN * kD;
   static constexpr int kPartialFloats = kMTiles * 2 * 4 * 32;  // one warp's S: [m tile][n8 tile][4][lane]
-  static constexpr int kSmemBytes = (kBlockM * kD + 2 * kStageElems) * 2 + kWarps * kPartialFloats * 4;
+  static constexpr int kIdxStages = 4;  // slot ids of 4 tiles in flight, 8 bytes each
+  static constexpr int kSmemBytes =
+      (kBlockM * kD + 2 * kStageElems) * 2 + kWarps * kPartialFloats * 4 + kIdxStages * kBlockN * 8;
   static_assert(kSmemBytes <= 99 * 1024, "sm_120 allows 99 KB of shared memory per block");
 };
 
@@ -57,6 +60,7 @@ __global__ void __launch_bounds__(kThreads) mla_tree_verify_kernel(const MlaPara
   T* s_q = reinterpret_cast<T*>(smem);
   T* s_kv = s_q + kBlockM * kD;  // two stages of [kBlockN][kD]
   float* s_part = reinterpret_cast<float*>(s_kv + 2 * Tile::kStageElems);
+  uint8_t* s_idx = reinterpret_cast<uint8_t*>(s_part + kWarps * Tile::kPartialFloats);  // [4][kBlockN] x 8 B
 
   // ---- which rows, which request, which KV range
   const int H = p.num_heads;
@@ -108,13 +112,32 @@ __global__ void __launch_bounds__(kThreads) mla_tree_verify_kernel(const MlaPara
   };
   auto tile_end = [&](int t) { return t < prefix_tiles ? hi : prefix_len + num_tail; };
 
+  // Tile t's slot ids into s_idx stage t % kIdxStages (thread r copies key r's id; none read past
+  // the range), two tiles ahead of the tile's gather, so the gather never waits on an index load.
+  auto load_indices = [&](int t) {
+    if (t >= total_tiles || threadIdx.x >= kBlockN) return;
+    const int r = threadIdx.x;
+    const int base = tile_base(t), end = tile_end(t);
+    const int64_t at = kv_start + base + r;
+    const bool in_range = base + r < end && at >= 0 && at < p.num_indices;
+    const uint32_t dst = smem_addr(s_idx + ((t % Tile::kIdxStages) * kBlockN + r) * 8);
+    if (p.kv_indices_int64) {
+      cp_async_small<8>(dst, static_cast<const int64_t*>(p.kv_indices) + (in_range ? at : 0), in_range);
+    } else {
+      cp_async_small<4>(dst, static_cast<const int32_t*>(p.kv_indices) + (in_range ? at : 0), in_range);
+    }
+  };
+
   auto load_tile = [&](int t, int stage) {
     const int base = tile_base(t), end = tile_end(t);
     T* dst = s_kv + stage * Tile::kStageElems;
+    const uint8_t* ids = s_idx + (t % Tile::kIdxStages) * kBlockN * 8;
     for (int i = threadIdx.x; i < kBlockN * kChunks; i += kThreads) {
       const int r = i / kChunks, c = i % kChunks;
       const int64_t at = kv_start + base + r;
-      const int64_t slot = base + r < end && at >= 0 && at < p.num_indices ? load_slot(p, at) : -1;
+      const int64_t slot = !(base + r < end && at >= 0 && at < p.num_indices) ? -1
+                           : p.kv_indices_int64 ? *reinterpret_cast<const int64_t*>(ids + r * 8)
+                                                : static_cast<int64_t>(*reinterpret_cast<const int32_t*>(ids + r * 8));
       const bool valid = slot >= 0 && slot < p.num_slots;  // else a zero row
       cp_async_16(smem_addr(dst + swizzled<kChunks>(r, c)), kv + (valid ? slot : 0) * p.kv_stride_s + c * 8, valid);
     }
@@ -144,12 +167,22 @@ __global__ void __launch_bounds__(kThreads) mla_tree_verify_kernel(const MlaPara
     for (int d = 0; d < kDvTiles; ++d) acc[mt][d][0] = acc[mt][d][1] = acc[mt][d][2] = acc[mt][d][3] = 0.f;
   }
 
+  // Slot ids of tiles 0 and 1 (with Q) visible to every thread before the first gathers; then
+  // tile t + 3's ids travel with tile t + 1's rows (their stage held tile t - 1's ids, last read
+  // before the previous iteration's barrier).
+  load_indices(0);
+  load_indices(1);
+  cp_async_commit();
+  cp_async_wait<0>();
+  __syncthreads();
   if (total_tiles > 0) load_tile(0, 0);
-  cp_async_commit();  // group 0: Q and tile 0
+  load_indices(2);
+  cp_async_commit();  // tile 0 (and tile 2's ids)
 
   for (int t = 0; t < total_tiles; ++t) {
     if (t + 1 < total_tiles) {
       load_tile(t + 1, (t + 1) & 1);
+      load_indices(t + 3);
       cp_async_commit();
       cp_async_wait<1>();
     } else {
