@@ -121,11 +121,7 @@ __global__ void __launch_bounds__(kThreads) mla_tree_verify_kernel(const MlaPara
     const int64_t at = kv_start + base + r;
     const bool in_range = base + r < end && at >= 0 && at < p.num_indices;
     const uint32_t dst = smem_addr(s_idx + ((t % Tile::kIdxStages) * kBlockN + r) * 8);
-    if (p.kv_indices_int64) {
-      cp_async_small<8>(dst, static_cast<const int64_t*>(p.kv_indices) + (in_range ? at : 0), in_range);
-    } else {
-      cp_async_small<4>(dst, static_cast<const int32_t*>(p.kv_indices) + (in_range ? at : 0), in_range);
-    }
+    copy_slot_id_async(p, at, in_range, dst);
   };
 
   auto load_tile = [&](int t, int stage) {
@@ -135,9 +131,7 @@ __global__ void __launch_bounds__(kThreads) mla_tree_verify_kernel(const MlaPara
     for (int i = threadIdx.x; i < kBlockN * kChunks; i += kThreads) {
       const int r = i / kChunks, c = i % kChunks;
       const int64_t at = kv_start + base + r;
-      const int64_t slot = !(base + r < end && at >= 0 && at < p.num_indices) ? -1
-                           : p.kv_indices_int64 ? *reinterpret_cast<const int64_t*>(ids + r * 8)
-                                                : static_cast<int64_t>(*reinterpret_cast<const int32_t*>(ids + r * 8));
+      const int64_t slot = !(base + r < end && at >= 0 && at < p.num_indices) ? -1 : staged_slot_id(p, ids, r);
       const bool valid = slot >= 0 && slot < p.num_slots;  // else a zero row
       cp_async_16(smem_addr(dst + swizzled<kChunks>(r, c)), kv + (valid ? slot : 0) * p.kv_stride_s + c * 8, valid);
     }

@@ -124,11 +124,7 @@ __global__ void __launch_bounds__(kThreads) tree_verify_kernel(const TreeVerifyP
     const int64_t at = kv_start + base + r;
     const bool in_range = base + r < end && at >= 0 && at < p.num_indices;
     const uint32_t dst = smem_addr(s_idx + ((t % Cfg::kIdxStages) * kStageKeys + r) * 8);
-    if (p.kv_indices_int64) {
-      cp_async_small<8>(dst, static_cast<const int64_t*>(p.kv_indices) + (in_range ? at : 0), in_range);
-    } else {
-      cp_async_small<4>(dst, static_cast<const int32_t*>(p.kv_indices) + (in_range ? at : 0), in_range);
-    }
+    copy_slot_id_async(p, at, in_range, dst);
   };
 
   auto load_tile = [&](int t, int stage) {
@@ -142,9 +138,7 @@ __global__ void __launch_bounds__(kThreads) tree_verify_kernel(const TreeVerifyP
       // key reads as a zero row (as in the reference and the Triton kernel).
       const int64_t at = kv_start + base + r;
       const bool in_range = base + r < end && at >= 0 && at < p.num_indices;
-      const int64_t slot = !in_range ? 0
-                           : p.kv_indices_int64 ? *reinterpret_cast<const int64_t*>(ids + r * 8)
-                                                : static_cast<int64_t>(*reinterpret_cast<const int32_t*>(ids + r * 8));
+      const int64_t slot = !in_range ? 0 : staged_slot_id(p, ids, r);
       const bool valid = in_range && slot >= 0 && slot < p.num_slots;
       cp_async_16(smem_addr(dst_k + swizzled<kChunks>(r, c)), k_cache + slot * p.k_stride_s + c * 8, valid);
       cp_async_16(smem_addr(dst_v + swizzled<kChunks>(r, c)), v_cache + slot * p.v_stride_s + c * 8, valid);

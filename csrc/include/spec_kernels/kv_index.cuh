@@ -4,6 +4,8 @@
 #include <cmath>
 #include <cstdint>
 
+#include "spec_kernels/mma.cuh"
+
 namespace spec_kernels {
 
 __device__ __forceinline__ int ceil_div(int a, int b) { return (a + b - 1) / b; }
@@ -28,12 +30,25 @@ __device__ __forceinline__ uint64_t draft_bits(int i) { return i >= 63 ? ~0ull :
 // row's output and lse come out NaN; NaN stays NaN.
 __device__ __forceinline__ float finite_or_nan(float x) { return fabsf(x) == INFINITY ? NAN : x; }
 
-// kv_indices[i] as int64, whichever index dtype the caller passed (Params: TreeVerifyParams or
-// MlaParams: both carry kv_indices and kv_indices_int64).
+// Slot ids are staged in shared memory at 8 bytes per key whatever the index dtype (Params:
+// TreeVerifyParams or MlaParams: both carry kv_indices, kv_indices_int64 and num_indices).
+
+// Starts copying kv_indices[at] into the 8-byte staging cell at shared address dst (cp.async, not
+// waited for); an id outside the range is not read (the cell is zero-filled).
 template <class Params>
-__device__ __forceinline__ int64_t load_slot(const Params& p, int64_t i) {
-  return p.kv_indices_int64 ? static_cast<const int64_t*>(p.kv_indices)[i]
-                            : static_cast<int64_t>(static_cast<const int32_t*>(p.kv_indices)[i]);
+__device__ __forceinline__ void copy_slot_id_async(const Params& p, int64_t at, bool in_range, uint32_t dst) {
+  if (p.kv_indices_int64) {
+    cp_async_small<8>(dst, static_cast<const int64_t*>(p.kv_indices) + (in_range ? at : 0), in_range);
+  } else {
+    cp_async_small<4>(dst, static_cast<const int32_t*>(p.kv_indices) + (in_range ? at : 0), in_range);
+  }
+}
+
+// The staged slot id of key r of a tile (ids: the tile's staging cells).
+template <class Params>
+__device__ __forceinline__ int64_t staged_slot_id(const Params& p, const uint8_t* ids, int r) {
+  return p.kv_indices_int64 ? *reinterpret_cast<const int64_t*>(ids + r * 8)
+                            : static_cast<int64_t>(*reinterpret_cast<const int32_t*>(ids + r * 8));
 }
 
 }  // namespace spec_kernels
