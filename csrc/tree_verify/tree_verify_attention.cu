@@ -15,6 +15,7 @@
 //
 // With num_splits > 1 every split writes a normalised partial output and its base-2 log-sum-exp;
 // merge_splits_kernel combines them in a fixed order (bitwise deterministic, no atomics).
+#include <atomic>
 #include <cfloat>
 
 #include "spec_kernels/kv_index.cuh"
@@ -373,13 +374,31 @@ __global__ void merge_splits_kernel(const TreeVerifyParams p) {
                   p.head_dim, static_cast<T*>(p.out) + token * p.o_stride_t + head * p.o_stride_h, p.lse);
 }
 
+// Devices whose shared-memory opt-in is remembered; a device past them opts in on every launch.
+constexpr int kMaxCachedDevices = 64;
+
+// Opts tree_verify_kernel<T, D> in to more than 48 KB of dynamic shared memory, once per device
+// (the attribute is per device and kernel). cudaFuncSetAttribute is not a stream operation, so
+// this also runs during CUDA-graph capture; two threads racing here both set the same value.
+template <typename T, int D>
+cudaError_t opt_in_shared_memory() {
+  constexpr int kSmem = TileConfig<D>::kSmemBytes;
+  if (kSmem <= 48 * 1024) return cudaSuccess;  // within the default limit
+  static std::atomic<bool> done[kMaxCachedDevices];  // static storage: all false at start
+  int device = 0;
+  cudaError_t err = cudaGetDevice(&device);
+  if (err != cudaSuccess) return err;
+  const bool cached = device >= 0 && device < kMaxCachedDevices;
+  if (cached && done[device].load(std::memory_order_acquire)) return cudaSuccess;
+  err = cudaFuncSetAttribute(tree_verify_kernel<T, D>, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmem);
+  if (err == cudaSuccess && cached) done[device].store(true, std::memory_order_release);
+  return err;
+}
+
 template <typename T, int D>
 cudaError_t launch(const TreeVerifyParams& p, cudaStream_t stream) {
   constexpr int kSmem = TileConfig<D>::kSmemBytes;
-  // Opt in to > 48 KB of dynamic shared memory (per device, so on every launch; it is not a
-  // stream operation, so it is also allowed while a CUDA graph is being captured).
-  const cudaError_t attr_err =
-      cudaFuncSetAttribute(tree_verify_kernel<T, D>, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmem);
+  const cudaError_t attr_err = opt_in_shared_memory<T, D>();
   if (attr_err != cudaSuccess) return attr_err;
   const int m_blocks = (p.max_rows + kBlockM - 1) / kBlockM;
   const dim3 grid(static_cast<unsigned>(p.num_requests) * p.num_kv_heads * m_blocks, p.num_splits);
