@@ -195,6 +195,10 @@ __global__ void __launch_bounds__(kThreads) tree_verify_kernel(const TreeVerifyP
     const int base = tile_base(t), end = tile_end(t);
     const bool is_tail = t >= prefix_tiles;
     const int key0 = wn * keys_per_warp;  // this warp's first key within the tile
+    // This warp's n8 key tiles that hold a key before `end`, rounded up to a k16 pair of the PV
+    // mma: the others are wholly masked and skipped (no mma, no ex2). Decode's tail tile holds
+    // one key, so 3 of its 4 warps skip it.
+    const int live = min(ntiles, max(0, ceil_div(end - base - key0, 16) * 2));
 
     // S = Q K^T for 16 rows x keys_per_warp keys, k16 steps over D
     float s[Cfg::kMaxNTiles][4];
@@ -206,7 +210,7 @@ __global__ void __launch_bounds__(kThreads) tree_verify_kernel(const TreeVerifyP
       ldmatrix_x4(a, smem_addr(s_q + swizzled<kChunks>(wm * 16 + (lane / 8 % 2) * 8 + lane % 8, kk * 2 + lane / 16)));
 #pragma unroll
       for (int j = 0; j < Cfg::kMaxNTiles; j += 2) {
-        if (j < ntiles) {
+        if (j < live) {
           uint32_t b[4];
           ldmatrix_x4(b, smem_addr(k_s + swizzled<kChunks>(key0 + j * 8 + (lane / 16) * 8 + lane % 8,
                                                           kk * 2 + lane / 8 % 2)));
@@ -220,6 +224,7 @@ __global__ void __launch_bounds__(kThreads) tree_verify_kernel(const TreeVerifyP
     const bool full = !is_tail && base + kStageKeys <= end;
 #pragma unroll
     for (int j = 0; j < Cfg::kMaxNTiles; ++j) {
+      if (j >= live) continue;
 #pragma unroll
       for (int e = 0; e < 4; ++e) {
         float x = finite_or_nan(s[j][e] * p.sm_scale_log2);
@@ -240,7 +245,7 @@ __global__ void __launch_bounds__(kThreads) tree_verify_kernel(const TreeVerifyP
       float mx = m_i[h];
 #pragma unroll
       for (int j = 0; j < Cfg::kMaxNTiles; ++j) {
-        if (j < ntiles) mx = fmaxf(mx, fmaxf(s[j][2 * h], s[j][2 * h + 1]));
+        if (j < live) mx = fmaxf(mx, fmaxf(s[j][2 * h], s[j][2 * h + 1]));
       }
       mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
       mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
@@ -249,9 +254,11 @@ __global__ void __launch_bounds__(kThreads) tree_verify_kernel(const TreeVerifyP
       float row_sum = 0.f;
 #pragma unroll
       for (int j = 0; j < Cfg::kMaxNTiles; ++j) {
-        s[j][2 * h] = exp2f(s[j][2 * h] - m_safe);
-        s[j][2 * h + 1] = exp2f(s[j][2 * h + 1] - m_safe);
-        if (j < ntiles) row_sum += s[j][2 * h] + s[j][2 * h + 1];
+        if (j < live) {
+          s[j][2 * h] = exp2f(s[j][2 * h] - m_safe);
+          s[j][2 * h + 1] = exp2f(s[j][2 * h + 1] - m_safe);
+          row_sum += s[j][2 * h] + s[j][2 * h + 1];
+        }
       }
       l_i[h] = l_i[h] * alpha + row_sum;
       m_i[h] = mx;
@@ -265,7 +272,7 @@ __global__ void __launch_bounds__(kThreads) tree_verify_kernel(const TreeVerifyP
     // O += P V: the S accumulators of two key tiles are the A fragment of one k16 step
 #pragma unroll
     for (int j = 0; j < Cfg::kMaxNTiles; j += 2) {
-      if (j < ntiles) {
+      if (j < live) {
         uint32_t a[4] = {pack2<T>(s[j][0], s[j][1]), pack2<T>(s[j][2], s[j][3]),
                          pack2<T>(s[j + 1][0], s[j + 1][1]), pack2<T>(s[j + 1][2], s[j + 1][3])};
 #pragma unroll

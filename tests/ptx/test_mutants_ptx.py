@@ -43,6 +43,8 @@ MUTANTS = {
                          "    __syncthreads();  // the stage is refilled", "    // the stage is refilled"),
     "tail_mask_off_by_one": (TV, "tail mask bit pos - prefix_len + 1",
                              "min(pos - prefix_len, 63)", "min(pos - prefix_len + 1, 63)"),
+    "live_tiles_rounded_down": (TV, "a warp's live key tiles rounded down: a partial k16 pair is skipped",
+                                "ceil_div(end - base - key0, 16) * 2", "(end - base - key0) / 16 * 2"),
 }
 
 
