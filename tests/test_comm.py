@@ -378,6 +378,32 @@ def test_gpu_topo_cli():
     report = json.loads(proc.stdout)
     assert report["gpus"] and all("numa_node" in g for g in report["gpus"])
     assert report["reason"] == topo.empty_reason(len(report["gpus"]))  # one GPU: says so; more: null
+    world = max(len(report["gpus"]), 2)  # one GPU: two ranks share it
+    assert len(report["probe"]) == world * (world - 1)
+    assert all(e["self_test"] == "pass" and e["proved"] for e in report["probe"]), report["probe"]
+    proc = _run_module("spec_kernels.comm.topo")
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.count("P2P self-test: pass") == world * (world - 1), proc.stdout
+
+
+def test_topo_shows_the_self_test_verdict_per_pair():
+    from spec_kernels.comm import topo
+
+    gpu = {"index": 0, "name": "G", "sm": "90", "memory_GiB": 141, "pci": None, "numa_node": None}
+    passed = {"from_rank": 0, "to_rank": 1, "gpus": [0, 1], "self_test": "pass", "proved": True,
+              "write_GBps": 20.0, "read_GBps": 50.0, "read_latency_us": 1.5, "slow_writes": True}
+    failed = {"from_rank": 1, "to_rank": 0, "gpus": [1, 0], "proved": False, "slow_writes": False,
+              "self_test": "FAIL (rank 1 reading rank 0's own data: nothing arrived (all words still zero))"}
+    report = {"gpus": [gpu, {**gpu, "index": 1}], "pairs": [], "notes": [], "reason": None,
+              "self_test_via": "the CUDA extension's IPC buffers", "probe": [passed, failed]}
+    lines = topo.format_report(report).splitlines()
+    assert "P2P self-test per ordered rank pair" in lines[3] and "the CUDA extension's IPC buffers" in lines[3]
+    assert lines[4] == ("  rank 0 (GPU 0) -> rank 1 (GPU 1): P2P self-test: pass; write 20.0 GB/s, read 50.0 GB/s, "
+                        "read latency 1.50 us  SLOW P2P WRITES")
+    assert lines[5] == ("  rank 1 (GPU 1) -> rank 0 (GPU 0): P2P self-test: FAIL (rank 1 reading rank 0's own data: "
+                        "nothing arrived (all words still zero))")
+    assert topo.format_probe_entry({"from_rank": 0, "to_rank": 1, "gpus": [0, 0]}).endswith(
+        "P2P self-test: FAIL (no result from the rank)")
 
 
 NVIDIA_SMI_TOPO = """\

@@ -344,10 +344,12 @@ class FusedAllReduce:
         if self.device.type != "cuda":
             reason = f"needs CUDA tensors (device is {self.device})"
         else:
-            from . import ipc
+            from . import ipc, p2p_check
 
             reason = self._agree(ipc.unavailable_reason(self.device, self.world_size, self.hidden_size, self.dtype),
                                  "unavailable")
+            if reason is None:  # a driver's P2P claim is no proof: test the IPC path (same verdict on all ranks)
+                reason = p2p_check.communicator_reason(self)
             if reason is None:
                 try:
                     self._ipc = ipc.IpcBuffers(self)

@@ -3,11 +3,12 @@
 * GPUs: name, PCI address, NUMA node (sysfs), and how each pair is connected on PCIe: under one
   switch, one root complex, or different root complexes (from the sysfs device paths);
 * NVLink: from `nvidia-smi topo -m` when nvidia-smi exists (matched to CUDA indices by PCI id);
-* P2P, per ordered pair (a -> b): the driver's claim, then a proof: rank a opens rank b's buffer
-  through CUDA IPC (another process), writes into it and reads it back with a kernel on GPU a;
-  b checks what arrived. With one GPU, two processes on it check the IPC path our one-GPU
-  tests rely on;
-* a probe per proved pair: kernel-driven P2P write and read bandwidth (slow writes are the known
+* P2P, per ordered pair (a -> b): the driver's claim, then the verdict of the P2P self-test that
+  FusedAllReduce runs before it trusts CUDA IPC (spec_kernels.comm.p2p_check): one process per
+  GPU maps every other's buffer through CUDA IPC; rank a's kernels write a pattern into b's
+  buffer and read it back, b checks what arrived, a reads b's own data ("P2P self-test: pass"
+  or "FAIL (why)"). With one GPU, two processes on it check the IPC path our one-GPU tests rely on;
+* a probe per pair that passed: kernel-driven P2P write and read bandwidth (slow writes are the known
   trap on some switch hosts: flagged when writes reach < 50% of reads) and the latency of a
   dependent P2P load chain.
 
@@ -162,66 +163,55 @@ def _timed_us(fn, iters: int) -> float:
 
 
 def _probe_worker(rank, world, size_mb, iters, claims):
-    """Rank r (GPU r % count) exports a buffer; for every ordered pair (a, b) in turn, rank a
-    writes into b's buffer and reads it back with kernels, then measures bandwidth and latency."""
+    """Rank r (GPU r % count): the P2P self-test FusedAllReduce runs (spec_kernels.comm.p2p_check,
+    over the extension's IPC buffers when it is built, else torch's CUDA IPC), then, for every
+    ordered pair (a, b) that passed, in turn: rank a's kernels measure bandwidth and latency
+    into and out of b's buffer."""
     import torch.distributed as dist
     from torch.multiprocessing.reductions import reduce_tensor
 
-    copy_kernel, chase_kernel = _kernels()
+    from .._ops import extension_error
+    from . import p2p_check
+
     dev = torch.device("cuda", torch.cuda.current_device())
+    if extension_error() is None:
+        transport, via = p2p_check.ExtensionIpcTransport(dev), "the CUDA extension's IPC buffers"
+    else:
+        transport, via = p2p_check.TorchIpcTransport(dev), "torch CUDA IPC (the CUDA extension is not loaded)"
+    test = p2p_check.run_self_test(rank, world, p2p_check.group_gather(), transport)
+    results = {"self_test_via": via, "self_test_local_error": test.local_error}
+    copy_kernel, chase_kernel = _kernels()
     n = size_mb * (1 << 20) // 4
     mine = torch.zeros(n, dtype=torch.int32, device=dev)
     local = torch.empty_like(mine)
     exported = [None] * world
     dist.all_gather_object(exported, reduce_tensor(mine)[1])
     rebuild = reduce_tensor(mine)[0]
-    results = {}
     for a in range(world):
         for b in range(world):
             if a == b:
                 continue
-            result = None
             if rank == a:
-                result = {}
-                if not claims.get(f"{a},{b}", True):
+                result = {"self_test": test.verdict(a, b)}
+                if test.pairs[(a, b)] is None and not claims.get(f"{a},{b}", True):
                     result["error"] = "the driver reports no P2P access"
-                else:
+                elif test.pairs[(a, b)] is None:  # no figures for a pair that failed
                     try:
                         peer = rebuild(*exported[b])
                         local.copy_(peer)  # enables peer access between the two GPUs, if distinct
-                        pattern = torch.arange(n, dtype=torch.int32, device=dev) * 3 + a
-                        _copy(copy_kernel, pattern, peer)  # P2P stores
-                        torch.cuda.synchronize()
+                        nbytes = n * 4
+                        result["write_GBps"] = nbytes / _timed_us(lambda: _copy(copy_kernel, local, peer), iters) / 1e3
+                        result["read_GBps"] = nbytes / _timed_us(lambda: _copy(copy_kernel, peer, local), iters) / 1e3
+                        chain = peer.view(torch.int64)[: 1 << 16]
+                        chain.copy_((torch.arange(chain.numel(), device=dev) + 4099) % chain.numel())
+                        out = torch.empty(1, dtype=torch.int64, device=dev)
+                        steps = 2000
+                        us = _timed_us(lambda: chase_kernel[(1,)](chain, out, steps), 3)
+                        result["read_latency_us"] = us / steps
                     except Exception as exc:  # noqa: BLE001 - reported per pair
-                        result["error"] = f"P2P write failed: {exc}"
-                        peer = None
-            dist.barrier()
-            if rank == b:  # what arrived in b's memory?
-                expect = torch.arange(n, dtype=torch.int32, device=dev) * 3 + a
-                ok = bool(torch.equal(mine, expect))
-                mine.copy_(torch.arange(n, dtype=torch.int32, device=dev) * 5 + b)
-                torch.cuda.synchronize()
-                results[f"{a}->{b} arrived"] = ok
-            dist.barrier()
-            if rank == a and "error" not in result:
-                try:
-                    _copy(copy_kernel, peer, local)  # P2P loads
-                    torch.cuda.synchronize()
-                    result["read_ok"] = bool(torch.equal(local, torch.arange(n, dtype=torch.int32, device=dev) * 5 + b))
-                    nbytes = n * 4
-                    result["write_GBps"] = nbytes / _timed_us(lambda: _copy(copy_kernel, local, peer), iters) / 1e3
-                    result["read_GBps"] = nbytes / _timed_us(lambda: _copy(copy_kernel, peer, local), iters) / 1e3
-                    chain = peer.view(torch.int64)[: 1 << 16]
-                    chain.copy_((torch.arange(chain.numel(), device=dev) + 4099) % chain.numel())
-                    out = torch.empty(1, dtype=torch.int64, device=dev)
-                    steps = 2000
-                    us = _timed_us(lambda: chase_kernel[(1,)](chain, out, steps), 3)
-                    result["read_latency_us"] = us / steps
-                except Exception as exc:  # noqa: BLE001
-                    result["error"] = f"P2P read/probe failed: {exc}"
-            if rank == a:
+                        result["error"] = f"bandwidth probe failed: {exc}"
                 results[f"{a}->{b}"] = result
-            dist.barrier()
+            dist.barrier()  # one pair at a time
     return results
 
 
@@ -277,17 +267,19 @@ def build_report(probe: bool = True, size_mb: int = 64, iters: int = 10, sysfs: 
         report["notes"].append(f"probe failed: {exc}")
         return report
     merged = {k: v for r in results for k, v in r.items()}
+    report["self_test_via"] = merged.get("self_test_via")
     report["probe"] = []
     for a in range(world):
         for b in range(world):
             if a == b:
                 continue
-            entry = {"from_rank": a, "to_rank": b, "gpus": [a % count, b % count],
-                     **merged.get(f"{a}->{b}", {}), "arrived": merged.get(f"{a}->{b} arrived")}
-            entry["proved"] = bool(entry.get("arrived") and entry.get("read_ok"))
+            entry = {"from_rank": a, "to_rank": b, "gpus": [a % count, b % count], **merged.get(f"{a}->{b}", {})}
+            entry["proved"] = entry.get("self_test") == "pass"
             w, r = entry.get("write_GBps"), entry.get("read_GBps")
             entry["slow_writes"] = bool(w and r and w < SLOW_WRITE_RATIO * r)
             report["probe"].append(entry)
+    errors = sorted({r["self_test_local_error"] for r in results if r.get("self_test_local_error")})
+    report["notes"] += [f"P2P self-test error: {e}" for e in errors]
     return report
 
 
@@ -303,18 +295,26 @@ def format_report(report: dict) -> str:
         for p in report["pairs"]:
             lines.append(f"  {p['from']} -> {p['to']}: p2p={'yes' if p['driver_p2p'] else 'NO'}  {p['pcie']}"
                          f"  {p['nvidia_smi'] or '-'}{'  NVLink' if p['nvlink'] else ''}")
+    if report.get("probe"):
+        lines.append(f"P2P self-test per ordered rank pair (kernels write and read the peer's memory through "
+                     f"{report.get('self_test_via')}), then bandwidth and latency:")
     for e in report.get("probe", []):
-        where = f"rank {e['from_rank']} (GPU {e['gpus'][0]}) -> rank {e['to_rank']} (GPU {e['gpus'][1]})"
-        if "error" in e:
-            lines.append(f"  {where}: FAILED: {e['error']}")
-            continue
-        lines.append(f"  {where}: {'proved' if e['proved'] else 'WRONG DATA'} by IPC write+read; write "
-                     f"{e['write_GBps']:.1f} GB/s, read {e['read_GBps']:.1f} GB/s, read latency "
-                     f"{e['read_latency_us']:.2f} us{'  SLOW P2P WRITES' if e['slow_writes'] else ''}")
+        lines.append(format_probe_entry(e))
     if report.get("reason"):
         lines.append(report["reason"])
     lines += [f"note: {n}" for n in report["notes"]]
     return "\n".join(lines)
+
+
+def format_probe_entry(e: dict) -> str:
+    where = f"  rank {e['from_rank']} (GPU {e['gpus'][0]}) -> rank {e['to_rank']} (GPU {e['gpus'][1]})"
+    line = f"{where}: P2P self-test: {e.get('self_test', 'FAIL (no result from the rank)')}"
+    if "error" in e:
+        return f"{line}; {e['error']}"
+    if "write_GBps" not in e:
+        return line
+    return (f"{line}; write {e['write_GBps']:.1f} GB/s, read {e['read_GBps']:.1f} GB/s, read latency "
+            f"{e['read_latency_us']:.2f} us{'  SLOW P2P WRITES' if e['slow_writes'] else ''}")
 
 
 def parser() -> argparse.ArgumentParser:
