@@ -324,6 +324,8 @@ GPU_GRID = GRID + [
     pytest.param([16] * 8, [4096] * 8, "random", 16, id="gpu-b8-l4k-h16"),
     pytest.param([16, 1, 64, 0], [20000, 100, 1000, 7], "random", 8, id="gpu-20k-mixed-h8"),
     pytest.param([4] * 64, [300] * 64, "random", 128, id="gpu-b64-h128"),
+    # 15 rows: the CUDA kernel's 16-row CTA with 32-key tiles (a partial prefix tile, 2 splits of 4097)
+    pytest.param([3, 1, 1], [4097, 31, 0], "random", 3, id="gpu-bm16-h3"),
 ]
 
 

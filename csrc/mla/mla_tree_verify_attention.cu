@@ -2,22 +2,34 @@
 //
 // DeepSeek-V3 / Kimi K2.5 with absorbed projections: each token caches ONE KV row of 576 values
 // (512 latent + 64 rope), the key of every query head; its first 512 values are the value. A CTA
-// (4 warps) owns up to 32 query rows of one (request, KV split): the request's n_b drafts x H
-// heads, packed (row = draft * H + head). It streams its share of the prefix through a
-// double-buffered shared-memory tile of 16 KV rows (cp.async gathers, one slot id per row, the ids
-// themselves copied into shared memory two tiles ahead), then
-// - last split only - the n_b draft slots; only those tail tiles test the 64-bit ancestor words.
+// (4 warps) owns kBlockM = 16 or 32 query rows of one (request, KV split): the request's n_b drafts
+// x H heads, packed (row = draft * H + head). It streams its share of the prefix through a
+// double-buffered shared-memory tile of kBlockN KV rows (cp.async gathers, one slot id per row,
+// the ids themselves copied into shared memory two tiles ahead), then - last split only - the n_b
+// draft slots; only those tail tiles test the 64-bit ancestor words.
 //
-// 576-wide rows do not fit the usual "each warp owns 16 rows" layout (a 16 x 512 fp32 accumulator
-// per warp, Q fragments of 576 columns), so the tile's work is split over the head dims instead:
-//   S = Q K^T  : every warp computes the whole [rows x 16 keys] tile over a quarter of the 576
-//                dims (9 of the 36 k16 steps) and publishes its partial in fragment order; every
-//                warp then sums the four partials in the same order (identical S in all warps, so
-//                every warp runs the same online softmax and no statistics are exchanged);
-//   O += P V   : every warp owns 128 of the 512 output columns for all rows; P stays in registers
-//                (the S accumulators are the A fragments) and V is the same smem tile as K.
-// Shared memory: Q tile (16 or 32 rows x 576) + two KV stages (16 x 576) + S partials + slot ids
-// = 58.5 KB / 80.5 KB, under sm_120's 99 KB per block.
+// Work split (no partial sums of S are exchanged, no softmax is computed twice):
+//   S = Q K^T  : the [kBlockM x kBlockN] tile is kMTiles x (kBlockN / 8) = 4 units of 16 rows x
+//                8 keys; warp w computes unit (m tile w % kMTiles, keys w / kMTiles) over all 576
+//                dims (36 k16 steps, Q and K fragments by ldmatrix from shared memory);
+//   softmax    : the unit's owner scales / masks it, and the owners of a row publish their row
+//                maxima (one float per row and warp); every warp then forms the same new row max
+//                from them, the owner writes P = exp2(S - max) once to shared memory (fp16/bf16)
+//                and keeps its share of the row sum;
+//   O += P V   : every warp owns 128 of the 512 output columns for all rows (the accumulator:
+//                kMTiles x 16 n8 tiles = 64 / 128 fp32 registers); A = P from shared memory,
+//                B = V^T by ldmatrix.trans of the same KV tile as K.
+// Three barriers per tile: tile landed, row maxima published, P written.
+//
+// Shape. One unit of S per warp over the whole 576 dims needs kBlockM * kBlockN = 4 warps x 128;
+// the O accumulator (kBlockM x 512 fp32) over the CTA's threads must stay <= 128 registers per
+// thread (kBlockM <= 32 with 4 warps), and shared memory holds Q (kBlockM rows) + two KV stages
+// (kBlockN rows each) of 1152 bytes per row under sm_120's 99 KB per block:
+//   kBlockM = 32, kBlockN = 16: (32 + 2 * 16) * 1152 = 72 KB (+ P, row maxima, slot ids: 74.25 KB)
+//   kBlockM = 16, kBlockN = 32: (16 + 2 * 32) * 1152 = 90 KB (+ P, row maxima, slot ids: 92.5 KB)
+// 64 rows x 8 warps (FlashMLA's CTA) would need (64 + 2 * 16) * 1152 = 108 KB even with 16-key
+// tiles (and 144 registers of Q fragments per thread if Q were kept in registers instead), so it
+// does not fit sm_120 with mma.sync.
 //
 // With num_splits > 1 every split writes a normalised partial output and its base-2 log-sum-exp;
 // mla_merge_splits_kernel combines them in a fixed order (bitwise deterministic, no atomics).
@@ -35,20 +47,45 @@ constexpr int kWarps = 4;
 constexpr int kThreads = kWarps * 32;
 constexpr int kD = kMlaHeadDim;
 constexpr int kDv = kMlaVHeadDim;
-constexpr int kChunks = kD / 8;                   // 16-byte chunks per row: 72
-constexpr int kBlockN = 16;                       // keys per tile (one k16 step of P V)
-constexpr int kKStepsPerWarp = kD / 16 / kWarps;  // S = Q K^T: 9 of the 36 k16 steps per warp
-constexpr int kDvTiles = kDv / kWarps / 8;        // O += P V: 128 columns = 16 n8 tiles per warp
-static_assert(kD % (16 * kWarps) == 0 && kDvTiles % 2 == 0, "head dims must split evenly over the warps");
+constexpr int kChunks = kD / 8;             // 16-byte chunks per row: 72
+constexpr int kRowBytes = kD * 2;           // 1152
+constexpr int kKSteps = kD / 16;            // 36 k16 steps of S = Q K^T
+constexpr int kDvTiles = kDv / kWarps / 8;  // O += P V: 128 columns = 16 n8 tiles per warp
+static_assert(kKSteps % 4 == 0 && kChunks % 8 == 0 && kDvTiles % 8 == 0, "head dims must split evenly");
+
+// A per-lane constant the tile loop reads: the opaque move keeps ptxas from recomputing it from the
+// thread id in every iteration.
+__device__ __forceinline__ uint32_t pinned(uint32_t x) {
+  asm volatile("mov.b32 %0, %0;" : "+r"(x));
+  return x;
+}
+template <typename T>
+__device__ __forceinline__ const T* pinned(const T* x) {
+  asm volatile("mov.b64 %0, %0;" : "+l"(x));
+  return x;
+}
+
+// 2^x in one MUFU.EX2 (exp2f adds a range fix-up for results below 2^-126: here such weights and
+// rescale factors are negligible against the row's largest weight, 1). ex2(-inf) = 0, NaN stays NaN.
+__device__ __forceinline__ float ex2(float x) {
+  float y;
+  asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
+  return y;
+}
 
 template <int kMTiles>
 struct MlaTile {
   static constexpr int kBlockM = 16 * kMTiles;
+  static constexpr int kBlockN = 8 * kWarps / kMTiles;  // one 16 x 8 unit of S per warp
+  static constexpr int kNWarps = kBlockN / 8;           // warps sharing one m tile's rows
   static constexpr int kStageElems = kBlockN * kD;
-  static constexpr int kPartialFloats = kMTiles * 2 * 4 * 32;  // one warp's S: [m tile][n8 tile][4][lane]
+  // P rows padded by 16 bytes: the 8 rows one ldmatrix reads fall in 8 different bank groups.
+  static constexpr int kPStride = kBlockN * 2 + 16;
   static constexpr int kIdxStages = 4;  // slot ids of 4 tiles in flight, 8 bytes each
-  static constexpr int kSmemBytes =
-      (kBlockM * kD + 2 * kStageElems) * 2 + kWarps * kPartialFloats * 4 + kIdxStages * kBlockN * 8;
+  static constexpr int kSmemBytes = (kBlockM * kD + 2 * kStageElems) * 2 + kBlockM * kPStride +
+                                    kNWarps * kBlockM * 4 + kIdxStages * kBlockN * 8;
+  static_assert(kBlockM * kBlockN == 128 * kWarps && kBlockN % 16 == 0, "one S unit per warp, whole k16 steps");
+  static_assert(kBlockN * 8 % kThreads == 0, "the gather gives every thread whole rows of 8 chunks");
   static_assert(kSmemBytes <= 99 * 1024, "sm_120 allows 99 KB of shared memory per block");
 };
 
@@ -56,11 +93,14 @@ template <typename T, int kMTiles>
 __global__ void __launch_bounds__(kThreads) mla_tree_verify_kernel(const MlaParams p) {
   using Tile = MlaTile<kMTiles>;
   constexpr int kBlockM = Tile::kBlockM;
+  constexpr int kBlockN = Tile::kBlockN;
+  constexpr int kNWarps = Tile::kNWarps;
   extern __shared__ __align__(128) uint8_t smem[];
   T* s_q = reinterpret_cast<T*>(smem);
   T* s_kv = s_q + kBlockM * kD;  // two stages of [kBlockN][kD]
-  float* s_part = reinterpret_cast<float*>(s_kv + 2 * Tile::kStageElems);
-  uint8_t* s_idx = reinterpret_cast<uint8_t*>(s_part + kWarps * Tile::kPartialFloats);  // [4][kBlockN] x 8 B
+  uint8_t* s_p = reinterpret_cast<uint8_t*>(s_kv + 2 * Tile::kStageElems);  // [kBlockM][kPStride] bytes
+  float* s_red = reinterpret_cast<float*>(s_p + kBlockM * Tile::kPStride);  // [kNWarps][kBlockM]
+  uint8_t* s_idx = reinterpret_cast<uint8_t*>(s_red + kNWarps * kBlockM);  // [4][kBlockN] x 8 B
 
   // ---- which rows, which request, which KV range
   const int H = p.num_heads;
@@ -112,58 +152,97 @@ __global__ void __launch_bounds__(kThreads) mla_tree_verify_kernel(const MlaPara
   };
   auto tile_end = [&](int t) { return t < prefix_tiles ? hi : prefix_len + num_tail; };
 
-  // Tile t's slot ids into s_idx stage t % kIdxStages (thread r copies key r's id; none read past
-  // the range), two tiles ahead of the tile's gather, so the gather never waits on an index load.
+  // Tile t's slot ids into s_idx stage t % kIdxStages (lanes 0-15 of warp w copy the ids of keys
+  // 16 w + lane: 128 bytes of cells per warp, one bank wavefront; none read past the range), two
+  // tiles ahead of the tile's gather, so the gather never waits on an index load.
+  const int idx_r = static_cast<int>(pinned(threadIdx.x / 32 * 16 + threadIdx.x % 32));
+  const bool idx_copier = pinned(threadIdx.x % 32 < 16 && idx_r < kBlockN) != 0;
+  const uint32_t idx_dst = pinned(smem_addr(s_idx + idx_r * 8));
   auto load_indices = [&](int t) {
-    if (t >= total_tiles || threadIdx.x >= kBlockN) return;
-    const int r = threadIdx.x;
+    if (t >= total_tiles || !idx_copier) return;
+    const int r = idx_r;
     const int base = tile_base(t), end = tile_end(t);
     const int64_t at = kv_start + base + r;
     const bool in_range = base + r < end && at >= 0 && at < p.num_indices;
-    const uint32_t dst = smem_addr(s_idx + ((t % Tile::kIdxStages) * kBlockN + r) * 8);
-    copy_slot_id_async(p, at, in_range, dst);
+    copy_slot_id_async(p, at, in_range, idx_dst + (t % Tile::kIdxStages) * kBlockN * 8);
   };
 
+  // Thread i gathers chunks i % 8 + 8 j (j < 9) of key rows i / 8 (+ 16): one slot id per row, and
+  // (swizzle: chunk ^ (row & 7) changes only the low 3 bits) constant offsets between the chunks.
+  const int gather_row = static_cast<int>(pinned(threadIdx.x / 8));
+  const T* gather_src = pinned(kv + threadIdx.x % 8 * 8);
+  const uint32_t gather_dst = pinned(smem_addr(s_kv + swizzled<kChunks>(threadIdx.x / 8, threadIdx.x % 8)));
   auto load_tile = [&](int t, int stage) {
     const int base = tile_base(t), end = tile_end(t);
-    T* dst = s_kv + stage * Tile::kStageElems;
     const uint8_t* ids = s_idx + (t % Tile::kIdxStages) * kBlockN * 8;
-    for (int i = threadIdx.x; i < kBlockN * kChunks; i += kThreads) {
-      const int r = i / kChunks, c = i % kChunks;
+#pragma unroll
+    for (int rr = 0; rr < kBlockN * 8 / kThreads; ++rr) {
+      const int r = gather_row + rr * (kThreads / 8);  // r & 7 as for gather_dst
       const int64_t at = kv_start + base + r;
       const int64_t slot = !(base + r < end && at >= 0 && at < p.num_indices) ? -1 : staged_slot_id(p, ids, r);
       const bool valid = slot >= 0 && slot < p.num_slots;  // else a zero row
-      cp_async_16(smem_addr(dst + swizzled<kChunks>(r, c)), kv + (valid ? slot : 0) * p.kv_stride_s + c * 8, valid);
+      const T* src = gather_src + (valid ? slot : 0) * p.kv_stride_s;
+      const uint32_t dst = gather_dst + (stage * Tile::kStageElems + rr * (kThreads / 8) * kD) * 2;
+#pragma unroll
+      for (int j = 0; j < kChunks / 8; ++j) cp_async_16(dst + j * 128, src + j * 64, valid);
     }
   };
 
-  // ---- per-thread state: rows mt * 16 + g and mt * 16 + g + 8 of every m tile
+  // ---- per-thread state
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   const int g = lane / 4, t4 = lane % 4;
-  uint64_t row_mask[kMTiles][2];
-  float m_i[kMTiles][2], l_i[kMTiles][2];
+  const int mw = warp % kMTiles, nw = warp / kMTiles;  // this warp's S unit: m tile, 8-key group
+  // O rows: mt * 16 + g (+ 8) of every m tile; S rows: mw * 16 + g (+ 8)
+  float m_i[kMTiles][2];
   float acc[kMTiles][kDvTiles][4];
 #pragma unroll
   for (int mt = 0; mt < kMTiles; ++mt) {
-#pragma unroll
-    for (int h = 0; h < 2; ++h) {
-      const int r = mt * 16 + g + h * 8;
-      const int64_t token = row_token(r);
-      row_mask[mt][h] = ~0ull;  // decode: the single tail key is the query's own token
-      // Only the bits of the draft itself and earlier drafts count.
-      if (p.tree_mask != nullptr) {
-        row_mask[mt][h] = token >= 0 ? static_cast<uint64_t>(p.tree_mask[token]) & draft_bits((row0 + r) / H) : 0ull;
-      }
-      m_i[mt][h] = -INFINITY;
-      l_i[mt][h] = 0.f;
-    }
+    m_i[mt][0] = m_i[mt][1] = -INFINITY;
 #pragma unroll
     for (int d = 0; d < kDvTiles; ++d) acc[mt][d][0] = acc[mt][d][1] = acc[mt][d][2] = acc[mt][d][3] = 0.f;
   }
+  uint64_t row_mask[2];
+  float l_own[2];  // this warp's share (its S units' keys) of the row sums of rows mw * 16 + g (+ 8)
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    const int r = mw * 16 + g + h * 8;
+    const int64_t token = row_token(r);
+    row_mask[h] = ~0ull;  // decode: the single tail key is the query's own token
+    // Only the bits of the draft itself and earlier drafts count.
+    if (p.tree_mask != nullptr) {
+      row_mask[h] = token >= 0 ? static_cast<uint64_t>(p.tree_mask[token]) & draft_bits((row0 + r) / H) : 0ull;
+    }
+    l_own[h] = 0.f;
+  }
 
-  // Slot ids of tiles 0 and 1 (with Q) visible to every thread before the first gathers; then
-  // tile t + 3's ids travel with tile t + 1's rows (their stage held tile t - 1's ids, last read
-  // before the previous iteration's barrier).
+  // ldmatrix lane addresses (bytes). Rows are 1152 bytes; row & 7 == lane & 7 in all three, so a
+  // chunk 8 K + c is stored at 8 K + (c ^ (lane & 7)): per lane a few offsets, the rest immediates.
+  const int x7 = lane & 7;
+  // Q (A of S): rows mw * 16 + (lane / 8 % 2) * 8 + lane % 8, chunk 2 kk + lane / 16.
+  const uint32_t q_lane = smem_addr(s_q) + (mw * 16 + (lane / 8 % 2) * 8 + x7) * kRowBytes;
+  uint32_t q_off[4];
+#pragma unroll
+  for (int j = 0; j < 4; ++j) q_off[j] = pinned(q_lane + (((2 * j + lane / 16) ^ x7) << 4));
+  // K (B of S, two k16 steps per ldmatrix): key nw * 8 + lane % 8, chunk 4 i + lane / 8.
+  uint32_t k_off[2];
+#pragma unroll
+  for (int j = 0; j < 2; ++j) k_off[j] = pinned((nw * 8 + x7) * kRowBytes + (((4 * j + lane / 8) ^ x7) << 4));
+  // V^T (B of P V, ldmatrix.trans): key (lane / 8 % 2) * 8 + lane % 8, chunk warp * 16 + d + lane / 16.
+  uint32_t v_off[4];
+#pragma unroll
+  for (int j = 0; j < 4; ++j) {
+    v_off[j] = pinned(((lane / 8 % 2) * 8 + x7) * kRowBytes + warp * 16 * 16 + (((2 * j + lane / 16) ^ x7) << 4));
+  }
+  // P (A of P V): rows mt * 16 + (lane / 8 % 2) * 8 + lane % 8, 8-key chunk 2 ks + lane / 16.
+  const uint32_t p_lane = pinned(smem_addr(s_p) + ((lane / 8 % 2) * 8 + x7) * Tile::kPStride + (lane / 16) * 16);
+  const uint32_t kv_smem = smem_addr(s_kv);
+  const int s_col = static_cast<int>(pinned(nw * 8 + t4 * 2));  // the S unit's first key (of s[0], s[2])
+  const int red_at = static_cast<int>(pinned(nw * kBlockM + mw * 16 + g));  // s_red cell of row mw * 16 + g
+  uint8_t* const p_at = s_p + pinned((mw * 16 + g) * Tile::kPStride + s_col * 2);  // P of s[0], s[1]
+
+  // Slot ids of tiles 0 and 1 (with Q) visible to every thread before the first gathers. In the
+  // loop, tile t + 1 is gathered (with tile t + 3's ids) once tile t has landed: its stage and the
+  // ids' stage were last read in tile t - 1, before this tile's first barrier.
   load_indices(0);
   load_indices(1);
   cp_async_commit();
@@ -174,139 +253,133 @@ __global__ void __launch_bounds__(kThreads) mla_tree_verify_kernel(const MlaPara
   cp_async_commit();  // tile 0 (and tile 2's ids)
 
   for (int t = 0; t < total_tiles; ++t) {
+    cp_async_wait<0>();
+    __syncthreads();  // tile t (and the ids of t + 1, t + 2) visible; tile t - 1 fully read
     if (t + 1 < total_tiles) {
       load_tile(t + 1, (t + 1) & 1);
       load_indices(t + 3);
       cp_async_commit();
-      cp_async_wait<1>();
-    } else {
-      cp_async_wait<0>();
     }
-    __syncthreads();
-    const T* kv_s = s_kv + (t & 1) * Tile::kStageElems;
+    const uint32_t kv_s = kv_smem + (t & 1) * Tile::kStageElems * 2;
 
-    // S partial: all rows x 16 keys over this warp's 9 k16 steps of the 576 dims
-    float s[kMTiles][2][4];
+    // S unit: 16 rows x 8 keys over all 36 k16 steps, even and odd steps in two accumulator chains
+    float s[4], s2[2][4] = {};
 #pragma unroll
-    for (int mt = 0; mt < kMTiles; ++mt) {
+    for (int i = 0; i < kKSteps / 2; ++i) {
+      uint32_t b[4];  // k16 step 2 i: b0, b1; step 2 i + 1: b2, b3
+      ldmatrix_x4(b, kv_s + k_off[i % 2] + (i / 2) * 128);
 #pragma unroll
-      for (int j = 0; j < 2; ++j) s[mt][j][0] = s[mt][j][1] = s[mt][j][2] = s[mt][j][3] = 0.f;
-    }
-#pragma unroll
-    for (int ks = 0; ks < kKStepsPerWarp; ++ks) {
-      const int kk = warp * kKStepsPerWarp + ks;
-      uint32_t b[4];  // keys 0-7: b0, b1; keys 8-15: b2, b3
-      ldmatrix_x4(b, smem_addr(kv_s + swizzled<kChunks>((lane / 16) * 8 + lane % 8, kk * 2 + lane / 8 % 2)));
-#pragma unroll
-      for (int mt = 0; mt < kMTiles; ++mt) {
+      for (int h = 0; h < 2; ++h) {
+        const int kk = 2 * i + h;
         uint32_t a[4];
-        ldmatrix_x4(a, smem_addr(s_q + swizzled<kChunks>(mt * 16 + (lane / 8 % 2) * 8 + lane % 8, kk * 2 + lane / 16)));
-        mma_16816<T>(s[mt][0], a, b[0], b[1]);
-        mma_16816<T>(s[mt][1], a, b[2], b[3]);
+        ldmatrix_x4(a, q_off[kk % 4] + (kk / 4) * 128);
+        mma_16816<T>(s2[h], a, b[2 * h], b[2 * h + 1]);
       }
     }
-
-    // publish the partials (fragment order: conflict-free), then sum all four in a fixed order
-    float* mine = s_part + warp * Tile::kPartialFloats;
 #pragma unroll
-    for (int mt = 0; mt < kMTiles; ++mt) {
-#pragma unroll
-      for (int j = 0; j < 2; ++j) {
-#pragma unroll
-        for (int e = 0; e < 4; ++e) mine[((mt * 2 + j) * 4 + e) * 32 + lane] = s[mt][j][e];
-      }
-    }
-    __syncthreads();
-#pragma unroll
-    for (int mt = 0; mt < kMTiles; ++mt) {
-#pragma unroll
-      for (int j = 0; j < 2; ++j) {
-#pragma unroll
-        for (int e = 0; e < 4; ++e) {
-          float x = 0.f;
-#pragma unroll
-          for (int w = 0; w < kWarps; ++w) x += s_part[w * Tile::kPartialFloats + ((mt * 2 + j) * 4 + e) * 32 + lane];
-          s[mt][j][e] = x;
-        }
-      }
-    }
+    for (int e = 0; e < 4; ++e) s[e] = s2[0][e] + s2[1][e];
 
     // scale; mask keys past the end (last tile of a range) and, in the tail, non-ancestors
     const int base = tile_base(t), end = tile_end(t);
     const bool is_tail = t >= prefix_tiles;
     const bool full = !is_tail && base + kBlockN <= end;
 #pragma unroll
-    for (int mt = 0; mt < kMTiles; ++mt) {
+    for (int e = 0; e < 4; ++e) s[e] = finite_or_nan(s[e] * p.sm_scale_log2);
+    if (!full) {
+      const int first = base + s_col;  // key of s[0] and s[2]; s[1], s[3]: the next one
+      const int left = end - first;              // keys of the pair before the end
+      // The mask bits of the pair, from bit first - prefix_len (< 64 for any input: tail tiles start
+      // below prefix_len + 64; min(.., 63) keeps the shift defined regardless; a key past bit 63
+      // reads 0).
+      const int shift = min(first - prefix_len, 63);
+      uint32_t bits[2] = {3u, 3u};
 #pragma unroll
-      for (int j = 0; j < 2; ++j) {
+      for (int h = 0; h < 2; ++h) {
+        if (is_tail) bits[h] = static_cast<uint32_t>(row_mask[h] >> shift) & 3u;
+      }
 #pragma unroll
-        for (int e = 0; e < 4; ++e) {
-          float x = finite_or_nan(s[mt][j][e] * p.sm_scale_log2);
-          if (!full) {
-            const int pos = base + j * 8 + t4 * 2 + (e & 1);
-            bool visible = pos < end;
-            // min(.., 63): never a shift by >= 64 (UB), whatever the input (pos - prefix_len < 64 anyway).
-            if (is_tail && visible) visible = (row_mask[mt][e >> 1] >> min(pos - prefix_len, 63)) & 1ull;
-            x = visible ? x : -INFINITY;
-          }
-          s[mt][j][e] = x;
-        }
+      for (int e = 0; e < 4; ++e) {
+        const bool visible = (e & 1) < left && (bits[e >> 1] >> (e & 1)) & 1u;
+        s[e] = visible ? s[e] : -INFINITY;
       }
     }
 
-    // online softmax (base 2) of the thread's rows; a quad of lanes shares a row. Every warp
-    // holds the same S, so every warp computes the same m_i and (after the final quad sum) l_i.
+    // the unit's row maxima (a quad of lanes shares a row) -> s_red[nw][row]
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      float mx = fmaxf(s[2 * h], s[2 * h + 1]);
+      mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
+      mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
+      if (t4 == 0) s_red[red_at + h * 8] = mx;
+    }
+    __syncthreads();  // row maxima published
+
+    // every warp: the new max of all its O rows (same values, same order in every warp)
+    float alpha[kMTiles][2], m_safe[kMTiles][2];
 #pragma unroll
     for (int mt = 0; mt < kMTiles; ++mt) {
 #pragma unroll
       for (int h = 0; h < 2; ++h) {
-        float mx = fmaxf(m_i[mt][h], fmaxf(fmaxf(s[mt][0][2 * h], s[mt][0][2 * h + 1]),
-                                           fmaxf(s[mt][1][2 * h], s[mt][1][2 * h + 1])));
-        mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
-        mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
-        const float m_safe = mx == -INFINITY ? 0.f : mx;
-        const float alpha = exp2f(m_i[mt][h] - m_safe);
-        float row_sum = 0.f;
+        float mx = m_i[mt][h];
 #pragma unroll
-        for (int j = 0; j < 2; ++j) {
-          s[mt][j][2 * h] = exp2f(s[mt][j][2 * h] - m_safe);
-          s[mt][j][2 * h + 1] = exp2f(s[mt][j][2 * h + 1] - m_safe);
-          row_sum += s[mt][j][2 * h] + s[mt][j][2 * h + 1];
-        }
-        l_i[mt][h] = l_i[mt][h] * alpha + row_sum;
+        for (int n = 0; n < kNWarps; ++n) mx = fmaxf(mx, s_red[n * kBlockM + mt * 16 + g + h * 8]);
+        m_safe[mt][h] = mx == -INFINITY ? 0.f : mx;
+        alpha[mt][h] = ex2(m_i[mt][h] - m_safe[mt][h]);
         m_i[mt][h] = mx;
+      }
+    }
+    // the unit's owner: P = 2^(S - max) once, to shared memory; its share of the row sum
 #pragma unroll
-        for (int d = 0; d < kDvTiles; ++d) {
-          acc[mt][d][2 * h] *= alpha;
-          acc[mt][d][2 * h + 1] *= alpha;
+    for (int h = 0; h < 2; ++h) {
+      float ms = m_safe[0][h], al = alpha[0][h];  // of m tile mw (selected: no dynamic indexing)
+#pragma unroll
+      for (int mt = 1; mt < kMTiles; ++mt) {
+        ms = mw == mt ? m_safe[mt][h] : ms;
+        al = mw == mt ? alpha[mt][h] : al;
+      }
+      const float p0 = ex2(s[2 * h] - ms), p1 = ex2(s[2 * h + 1] - ms);
+      l_own[h] = l_own[h] * al + (p0 + p1);
+      *reinterpret_cast<uint32_t*>(p_at + h * 8 * Tile::kPStride) = pack2<T>(p0, p1);
+    }
+    __syncthreads();  // P written
+
+    // O[:, this warp's 128 columns] = alpha O + P V over the tile's kBlockN / 16 k16 steps (the
+    // rescale next to each n8 tile's first mma, so that it issues between mma instructions)
+#pragma unroll
+    for (int ks = 0; ks < kBlockN / 16; ++ks) {
+      uint32_t a_p[kMTiles][4];
+#pragma unroll
+      for (int mt = 0; mt < kMTiles; ++mt) ldmatrix_x4(a_p[mt], p_lane + mt * 16 * Tile::kPStride + ks * 32);
+#pragma unroll
+      for (int d = 0; d < kDvTiles; d += 2) {
+        uint32_t b[4];
+        ldmatrix_x4_trans(b, kv_s + v_off[d % 8 / 2] + (d / 8) * 128 + ks * 16 * kRowBytes);
+#pragma unroll
+        for (int mt = 0; mt < kMTiles; ++mt) {
+          if (ks == 0) {
+#pragma unroll
+            for (int e = 0; e < 4; ++e) {
+              acc[mt][d][e] *= alpha[mt][e >> 1];
+              acc[mt][d + 1][e] *= alpha[mt][e >> 1];
+            }
+          }
+          mma_16816<T>(acc[mt][d], a_p[mt], b[0], b[1]);
+          mma_16816<T>(acc[mt][d + 1], a_p[mt], b[2], b[3]);
         }
       }
     }
-
-    // O[:, this warp's 128 columns] += P V: the S accumulators of the two key tiles are the A
-    // fragment of the tile's one k16 step; V is the latent part of the same smem rows as K.
-    uint32_t a_p[kMTiles][4];
-#pragma unroll
-    for (int mt = 0; mt < kMTiles; ++mt) {
-      a_p[mt][0] = pack2<T>(s[mt][0][0], s[mt][0][1]);
-      a_p[mt][1] = pack2<T>(s[mt][0][2], s[mt][0][3]);
-      a_p[mt][2] = pack2<T>(s[mt][1][0], s[mt][1][1]);
-      a_p[mt][3] = pack2<T>(s[mt][1][2], s[mt][1][3]);
-    }
-#pragma unroll
-    for (int d = 0; d < kDvTiles; d += 2) {
-      uint32_t b[4];
-      ldmatrix_x4_trans(b, smem_addr(kv_s + swizzled<kChunks>((lane / 8 % 2) * 8 + lane % 8,
-                                                              warp * kDvTiles + d + lane / 16)));
-#pragma unroll
-      for (int mt = 0; mt < kMTiles; ++mt) {
-        mma_16816<T>(acc[mt][d], a_p[mt], b[0], b[1]);
-        mma_16816<T>(acc[mt][d + 1], a_p[mt], b[2], b[3]);
-      }
-    }
-    __syncthreads();  // the stage and the partials are rewritten by the next iteration
   }
   cp_async_wait<0>();
+
+  // ---- row sums: each owner's quad sum -> s_red (last read before the last tile's P barrier)
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    float l = l_own[h];
+    l += __shfl_xor_sync(0xffffffffu, l, 1);
+    l += __shfl_xor_sync(0xffffffffu, l, 2);
+    if (t4 == 0) s_red[red_at + h * 8] = l;
+  }
+  __syncthreads();
 
   // ---- epilogue: every warp writes its 128 columns; rows that saw no key get zeros, lse = -inf
   // (selected, not 0 * acc: acc may hold NaN from a V row of a draft slot the row does not see)
@@ -315,10 +388,10 @@ __global__ void __launch_bounds__(kThreads) mla_tree_verify_kernel(const MlaPara
   for (int mt = 0; mt < kMTiles; ++mt) {
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
-      float l = l_i[mt][h];
-      l += __shfl_xor_sync(0xffffffffu, l, 1);
-      l += __shfl_xor_sync(0xffffffffu, l, 2);
       const int r = mt * 16 + g + h * 8;
+      float l = 0.f;
+#pragma unroll
+      for (int n = 0; n < kNWarps; ++n) l += s_red[n * kBlockM + r];
       const int64_t token = row_token(r);
       if (token < 0) continue;
       const int head = (row0 + r) % H;

@@ -120,9 +120,10 @@ def assert_reads_each_kv_row_once_per_row_block(ops, c, max_rows):
     [
         # mixed n_b incl. 0, an empty prefix, partial tiles (5, 3 keys), 20 rows -> one 32-row CTA
         pytest.param(torch.bfloat16, [2, 0, 3], [5, 3, 0], 4, 1, 0, torch.int32, id="bf16-tree-split1-bm32"),
-        # the same batch with max_draft_tokens=3 -> 12 rows: 16-row CTAs; 3 splits: a 21-key prefix
-        # splits into 16 + 5 + nothing, the empty prefix's splits see nothing (lse_s = -inf)
-        pytest.param(torch.bfloat16, [3, 0, 2], [21, 4, 0], 4, 3, 3, torch.int64, id="bf16-tree-split3-bm16"),
+        # the same batch with max_draft_tokens=3 -> 12 rows: 16-row CTAs (32-key tiles); 3 splits: a
+        # 70-key prefix splits into 32 + 32 + 6, a 4-key one into 4 + nothing + nothing, the empty
+        # prefix's splits see nothing (lse_s = -inf)
+        pytest.param(torch.bfloat16, [3, 0, 2], [70, 4, 0], 4, 3, 3, torch.int64, id="bf16-tree-split3-bm16"),
         # fp16, 2 splits of a 33-key prefix: ceil(33 / 2) rounded up to whole 16-key tiles = 32 + 1
         # (a one-key partial tile)
         pytest.param(torch.float16, [2, 1], [33, 0], 3, 2, 0, torch.int32, id="f16-tree-split2"),
@@ -149,9 +150,9 @@ def test_tree_verify_matches_reference(ops, dtype, ns, prefixes, heads, splits, 
 @pytest.mark.parametrize(
     "dtype,prefixes,heads,splits",
     [
-        # 16 heads (DeepSeek-V3 at TP8) -> one 16-row CTA per request; a request with no slot
-        # (zeros, lse = -inf), 1 key, 18 keys (16 + a 2-key partial tile) over 2 splits
-        pytest.param(torch.bfloat16, [0, 1, 18], 16, 2, id="bf16-decode-h16-split2"),
+        # 16 heads (DeepSeek-V3 at TP8) -> one 16-row CTA (32-key tiles) per request; a request with
+        # no slot (zeros, lse = -inf), 1 key, 40 keys over 2 splits (32 + an 8-key partial tile)
+        pytest.param(torch.bfloat16, [0, 1, 40], 16, 2, id="bf16-decode-h16-split2"),
         # odd head count, no split
         pytest.param(torch.float16, [9, 3], 5, 1, id="f16-decode-h5-split1"),
     ],

@@ -45,32 +45,59 @@ ROW = "norm/rmsnorm_row.cuh"
 RACE = "shared-memory race"
 # name: (file, what, old text, new text, caught by)
 MUTANTS = {
-    # ---- MLA (the former MLA hand emulator's mutants)
+    # ---- MLA
     "mla_k_rows_chunks_swapped": (
         MLA, "K B-fragment ldmatrix: key-row and chunk lane mappings swapped",
-        "swizzled<kChunks>((lane / 16) * 8 + lane % 8, kk * 2 + lane / 8 % 2)",
-        "swizzled<kChunks>((lane / 8 % 2) * 8 + lane % 8, kk * 2 + lane / 16)", "mismatch"),
+        "pinned((nw * 8 + x7) * kRowBytes + (((4 * j + lane / 8) ^ x7) << 4))",
+        "pinned((nw * 8 + lane / 8) * kRowBytes + (((4 * j + (lane & 3)) ^ x7) << 4))", "mismatch"),
+    "mla_q_chunk_half": (
+        MLA, "Q A-fragment ldmatrix: lanes 16-31 read the first 8 dims of the k16 step, not the second",
+        "q_off[j] = pinned(q_lane + (((2 * j + lane / 16) ^ x7) << 4));",
+        "q_off[j] = pinned(q_lane + (((2 * j) ^ x7) << 4));", "mismatch"),
     "mla_v_not_transposed": (
         MLA, "V read with ldmatrix without .trans",
-        "ldmatrix_x4_trans(b, smem_addr(kv_s", "ldmatrix_x4(b, smem_addr(kv_s", "mismatch"),
+        "ldmatrix_x4_trans(b, kv_s + v_off", "ldmatrix_x4(b, kv_s + v_off", "mismatch"),
     "mla_p_fragment_order": (
-        MLA, "P as A fragment: register a1 takes n-tile 1's rows g",
-        "a_p[mt][1] = pack2<T>(s[mt][0][2], s[mt][0][3]);",
-        "a_p[mt][1] = pack2<T>(s[mt][1][0], s[mt][1][1]);", "mismatch"),
-    "mla_own_partial_only": (
-        MLA, "each warp sums its own S partial four times",
-        "x += s_part[w * Tile::kPartialFloats", "x += s_part[warp * Tile::kPartialFloats", "mismatch"),
-    "mla_wait_group_2": (
-        MLA, "cp.async.wait_group 2 instead of 1", "cp_async_wait<1>();", "cp_async_wait<2>();", "that a cp.async has not completed"),
+        MLA, "P as A fragment: the ldmatrix lanes' row half and key half swapped",
+        "((lane / 8 % 2) * 8 + x7) * Tile::kPStride + (lane / 16) * 16",
+        "((lane / 16) * 8 + x7) * Tile::kPStride + (lane / 8 % 2) * 16", "mismatch"),
+    "mla_one_accumulator_chain": (
+        MLA, "S = Q K^T: the odd k16 steps' chain is dropped",
+        "s[e] = s2[0][e] + s2[1][e];", "s[e] = s2[0][e];", "mismatch"),
+    "mla_owner_max_only": (
+        MLA, "every warp rescales O with its own units' row maxima only (no exchange)",
+        "mx = fmaxf(mx, s_red[n * kBlockM + mt * 16 + g + h * 8]);",
+        "mx = fmaxf(mx, s_red[nw * kBlockM + mt * 16 + g + h * 8]);", "mismatch"),
+    "mla_row_sum_own_share": (
+        MLA, "the epilogue takes one warp's share of the row sum",
+        "l += s_red[n * kBlockM + r];", "l += s_red[r];", "mismatch"),
+    "mla_no_rescale": (
+        MLA, "O is not rescaled when the row max grows",
+        "acc[mt][d][e] *= alpha[mt][e >> 1];", "acc[mt][d][e] *= 1.f;", "mismatch"),
+    "mla_mask_row_swapped": (
+        MLA, "tail tiles: rows g + 8 use the ancestor word of rows g",
+        "bits[h] = static_cast<uint32_t>(row_mask[h] >> shift) & 3u;",
+        "bits[h] = static_cast<uint32_t>(row_mask[0] >> shift) & 3u;", "mismatch"),
+    "mla_gather_chunk_stride": (
+        MLA, "the gather copies chunk j of 8 from the wrong column",
+        "cp_async_16(dst + j * 128, src + j * 64, valid);", "cp_async_16(dst + j * 128, src + j * 8, valid);",
+        "mismatch"),
+    "mla_wait_group_1": (
+        MLA, "cp.async.wait_group 1 instead of 0 at the top of the tile loop",
+        "    cp_async_wait<0>();\n    __syncthreads();  // tile t", "    cp_async_wait<1>();\n    __syncthreads();  // tile t",
+        "that a cp.async has not completed"),
     "mla_no_loop_top_sync": (
         MLA, "no __syncthreads after the wait",
-        "      cp_async_wait<0>();\n    }\n    __syncthreads();", "      cp_async_wait<0>();\n    }\n", RACE),
-    "mla_no_publish_sync": (
-        MLA, "no __syncthreads between publishing and summing the S partials",
-        "= s[mt][j][e];\n      }\n    }\n    __syncthreads();", "= s[mt][j][e];\n      }\n    }\n", RACE),
-    "mla_no_loop_end_sync": (
-        MLA, "no __syncthreads at the end of the tile loop",
-        "    __syncthreads();  // the stage and the partials", "    // the stage and the partials", RACE),
+        "    __syncthreads();  // tile t (and", "    // tile t (and", RACE),
+    "mla_no_max_sync": (
+        MLA, "no __syncthreads between publishing and reading the row maxima",
+        "    __syncthreads();  // row maxima published", "    // row maxima published", RACE),
+    "mla_no_p_sync": (
+        MLA, "no __syncthreads between writing and reading P",
+        "    __syncthreads();  // P written", "    // P written", RACE),
+    "mla_no_row_sum_sync": (
+        MLA, "no __syncthreads between publishing and reading the row sums",
+        "  __syncthreads();\n\n  // ---- epilogue", "\n  // ---- epilogue", RACE),
     # ---- fused add + RMSNorm (MUTANTS["norm"]); warp_sum is in the header the .cu includes
     "norm_warp_sum_missing_lane": (
         ROW, "warp_sum: the butterfly stops at offset 2 (lane l + l^1 never added)",
@@ -95,10 +122,11 @@ def patched(path, old, new, root=os.path.join(REPO, "csrc")):
 
 
 def run_mla(ops, monkeypatch):
-    # bf16, 3 drafts x 4 heads (12 rows: a 16-row CTA whose rows g + 8 are partly real, so both
-    # halves of every fragment reach the output) after 40 prefix keys, one split: 3 prefix tiles (the third a partial one, 8 keys) and a tail tile, so tile 2
-    # is prefetched into the stage tile 0 was read from (the loop-end barrier matters) and every
-    # iteration but the last has two cp.async groups in flight (wait_group 1 matters).
+    # bf16, 3 drafts x 4 heads (12 rows: a 16-row CTA, 32-key tiles, whose rows g + 8 are partly
+    # real, so both halves of every fragment reach the output) after 40 prefix keys, one split: 2
+    # prefix tiles (the second a partial one, 8 keys) and a tail tile, so tile 2 is gathered into
+    # the stage tile 0 was read from (the loop-top barrier matters) while tile 1 is computed, and
+    # the four warps' S units share every row (the row maxima and row sums are exchanged).
     monkeypatch.setattr(mla_cuda, "cuda_ops", lambda: ops)
     c = mla.make_case([3], [40], 4, torch.bfloat16, seed=5)
     out, lse, ref, ref_lse = mla.run_both(c, splits=1)
