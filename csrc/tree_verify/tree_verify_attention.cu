@@ -2,9 +2,10 @@
 //
 // A CTA (4 warps) owns up to 64 query rows of one (request, KV head, KV split): the request's
 // n_b draft tokens x the GQA group, packed row-major (row = draft * group + head_in_group). It
-// streams the split's share of the prefix through a double-buffered shared-memory tile filled by
+// streams the split's share of the prefix through a 2- or 3-stage shared-memory pipeline filled by
 // cp.async gathers (one slot id per KV row), then - in the last split only - the n_b draft slots.
-// Prefix tiles need no mask; only tail tiles test the row's 64-bit ancestor word.
+// Prefix tiles need no mask; only tail tiles test the row's 64-bit ancestor word. At D <= 128 the
+// Q fragments stay in registers for the whole loop.
 //
 // The slot ids of a tile are copied into shared memory (cp.async) two tiles ahead of its K/V
 // gather, so issuing the gather never waits for an index load.
@@ -37,11 +38,23 @@ struct TileConfig {
   static constexpr int kMaxWarpsN = kStageKeys / 16;     // a warp takes >= 16 keys of a stage
   static constexpr int kMaxNTiles = kStageKeys / 8;      // n8 key tiles of one warp (warps_n = 1)
   static constexpr int kDvTiles = D / 8;                 // n8 tiles of the output row
-  // Slot ids of 4 tiles in flight (8 bytes each, int32 or int64 as given).
-  static constexpr int kIdxStages = 4;
+  // Q fragments stay in registers across tiles where they fit (D / 4 registers per thread); the
+  // Q tile is then only staged once, in the last K stage.
+  static constexpr bool kQInRegs = D <= 128;
+  // K/V pipeline stages: three where sm_120's 99 KB hold them.
+  static constexpr int kStages = D == 128 ? 3 : 2;
+  // Slot ids of the tiles in flight (8 bytes each, int32 or int64 as given): 2 x kStages - 1 in
+  // the prologue (4 for two stages, as a power of two).
+  static constexpr int kIdxStages = kStages == 2 ? 4 : 2 * kStages - 1;
   static constexpr int kIdxBytes = kIdxStages * kStageKeys * 8;
-  // Q tile + two K stages + two V stages + slot ids: 42 KB (D=64), 82 KB (D=128), 97 KB (D=256).
-  static constexpr int kSmemBytes = (kBlockM * D + 4 * kStageKeys * D) * 2 + kIdxBytes;
+  static constexpr int kQElems = kQInRegs ? 0 : kBlockM * D;
+  // [Q tile] + kStages K + kStages V stages + slot ids: 34 KB (D=64), 98.5 KB (D=128), 97 KB (D=256).
+  static constexpr int kSmemBytes = (kQElems + 2 * kStages * kStageKeys * D) * 2 + kIdxBytes;
+  static_assert(!kQInRegs || kBlockM <= kStageKeys, "the Q tile is staged in one K stage");
+  // CTAs per SM the registers must allow (__launch_bounds__): 4 at D=64 (<= 128 registers, as
+  // many as sm_90's shared memory holds); 1 above, where shared memory allows 1-2 anyway and
+  // a lower register target makes ptxas recompute tile addresses in the KV loop.
+  static constexpr int kMinCtasPerSm = D == 64 ? 4 : 1;
   // The end-of-loop merge reuses that memory: per warp, per lane, the accumulators + m, l.
   static constexpr int kMergeFloats = kDvTiles * 4 + 4;
   static_assert(kWarps * kMergeFloats * 32 * 4 <= kSmemBytes, "merge buffer must fit");
@@ -49,15 +62,16 @@ struct TileConfig {
 };
 
 template <typename T, int D>
-__global__ void __launch_bounds__(kThreads) tree_verify_kernel(const TreeVerifyParams p) {
+__global__ void __launch_bounds__(kThreads, TileConfig<D>::kMinCtasPerSm) tree_verify_kernel(const TreeVerifyParams p) {
   using Cfg = TileConfig<D>;
   constexpr int kChunks = Cfg::kChunks;
   constexpr int kStageKeys = Cfg::kStageKeys;
+  constexpr int kStages = Cfg::kStages;
   extern __shared__ __align__(128) uint8_t smem[];
-  T* s_q = reinterpret_cast<T*>(smem);
-  T* s_k = s_q + kBlockM * D;
-  T* s_v = s_k + 2 * kStageKeys * D;
-  uint8_t* s_idx = reinterpret_cast<uint8_t*>(s_v + 2 * kStageKeys * D);  // [kIdxStages][kStageKeys] x 8 B
+  T* s_k = reinterpret_cast<T*>(smem) + Cfg::kQElems;
+  T* s_v = s_k + kStages * kStageKeys * D;
+  T* s_q = Cfg::kQInRegs ? s_k + (kStages - 1) * kStageKeys * D : reinterpret_cast<T*>(smem);
+  uint8_t* s_idx = reinterpret_cast<uint8_t*>(s_v + kStages * kStageKeys * D);  // [kIdxStages][kStageKeys] x 8 B
 
   // ---- which rows, which request, which KV range
   const int group = p.num_q_heads / p.num_kv_heads;
@@ -129,6 +143,7 @@ __global__ void __launch_bounds__(kThreads) tree_verify_kernel(const TreeVerifyP
   };
 
   auto load_tile = [&](int t, int stage) {
+    if (t >= total_tiles) return;  // uniform over the CTA
     const int base = tile_base(t), end = tile_end(t);
     T* dst_k = s_k + stage * kStageKeys * D;
     T* dst_v = s_v + stage * kStageKeys * D;
@@ -167,31 +182,38 @@ __global__ void __launch_bounds__(kThreads) tree_verify_kernel(const TreeVerifyP
 #pragma unroll
   for (int j = 0; j < Cfg::kDvTiles; ++j) acc[j][0] = acc[j][1] = acc[j][2] = acc[j][3] = 0.f;
 
-  // Slot ids of tiles 0 and 1 (with Q), visible to every thread before the first gathers; from
-  // then on tile t + 3's ids travel with tile t + 1's K/V (stage t + 3 held tile t - 1's ids, last
-  // read before the previous iteration's barrier).
-  load_indices(0);
-  load_indices(1);
+  // Slot ids of tiles 0 .. kStages-1 (with Q), visible to every thread before the first gathers;
+  // from then on tile u's ids travel with tile u - kStages's K/V, so they have been waited for
+  // and passed a barrier when tile u's gather is issued. One commit group per tile, even empty.
+  for (int u = 0; u < kStages; ++u) load_indices(u);
   cp_async_commit();
   cp_async_wait<0>();
   __syncthreads();
-  if (total_tiles > 0) load_tile(0, 0);
-  load_indices(2);
-  cp_async_commit();  // tile 0 (and tile 2's ids)
+  for (int u = 0; u < kStages - 1; ++u) {
+    load_tile(u, u);
+    load_indices(u + kStages);
+    cp_async_commit();
+  }
+  auto load_q_fragment = [&](uint32_t(&a)[4], int kk) {
+    ldmatrix_x4(a, smem_addr(s_q + swizzled<kChunks>(wm * 16 + (lane / 8 % 2) * 8 + lane % 8, kk * 2 + lane / 16)));
+  };
+  uint32_t q_frag[D / 16][4];  // kQInRegs only
+  if constexpr (Cfg::kQInRegs) {
+#pragma unroll
+    for (int kk = 0; kk < D / 16; ++kk) load_q_fragment(q_frag[kk], kk);
+    __syncthreads();  // the Q tile is K stage kStages - 1: the loop's first prefetch fills it
+  }
 
   for (int t = 0; t < total_tiles; ++t) {
-    if (t + 1 < total_tiles) {
-      load_tile(t + 1, (t + 1) & 1);
-      load_indices(t + 3);
-      cp_async_commit();
-      cp_async_wait<1>();
-    } else {
-      cp_async_wait<0>();
-    }
+    // Stage (t - 1) % kStages, read by the previous iteration, gets tile t + kStages - 1.
+    load_tile(t + kStages - 1, (t + kStages - 1) % kStages);
+    load_indices(t + 2 * kStages - 1);
+    cp_async_commit();
+    cp_async_wait<kStages - 1>();  // tile t has landed
     __syncthreads();
 
-    const T* k_s = s_k + (t & 1) * kStageKeys * D;
-    const T* v_s = s_v + (t & 1) * kStageKeys * D;
+    const T* k_s = s_k + (t % kStages) * kStageKeys * D;
+    const T* v_s = s_v + (t % kStages) * kStageKeys * D;
     const int base = tile_base(t), end = tile_end(t);
     const bool is_tail = t >= prefix_tiles;
     const int key0 = wn * keys_per_warp;  // this warp's first key within the tile
@@ -207,7 +229,12 @@ __global__ void __launch_bounds__(kThreads) tree_verify_kernel(const TreeVerifyP
 #pragma unroll
     for (int kk = 0; kk < D / 16; ++kk) {
       uint32_t a[4];
-      ldmatrix_x4(a, smem_addr(s_q + swizzled<kChunks>(wm * 16 + (lane / 8 % 2) * 8 + lane % 8, kk * 2 + lane / 16)));
+      if constexpr (Cfg::kQInRegs) {
+#pragma unroll
+        for (int i = 0; i < 4; ++i) a[i] = q_frag[kk][i];
+      } else {
+        load_q_fragment(a, kk);
+      }
 #pragma unroll
       for (int j = 0; j < Cfg::kMaxNTiles; j += 2) {
         if (j < live) {

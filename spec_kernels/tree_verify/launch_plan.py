@@ -121,16 +121,20 @@ class KernelResources:
 # ). The larger of the sm_90a and sm_120a figures (fp16 and bf16 are equal). Shared memory and
 # threads are the kernels' own constants (TileConfig / MlaTile); a stale register figure only
 # mis-sizes the splits, never breaks a launch.
-CUDA_TREE_VERIFY_REGS = {64: 123, 128: 168, 256: 255}  # head dim -> registers
+CUDA_TREE_VERIFY_REGS = {64: 128, 128: 242, 256: 254}  # head dim -> registers
 CUDA_MLA_REGS = {16: 128, 32: 226}  # BLOCK_M (mla_block_m) -> registers
 _CUDA_THREADS = 128  # kWarps = 4 in both kernels
 
 
 def cuda_tree_verify_resources(head_dim: int) -> KernelResources:
-    """csrc/tree_verify/tree_verify_attention.cu: Q tile + two K and two V stages + the slot ids of
-    4 tiles (TileConfig::kSmemBytes)."""
+    """csrc/tree_verify/tree_verify_attention.cu (TileConfig::kSmemBytes): K and V stages (three at
+    D = 128, else two), the Q tile (D > 128; at D <= 128 Q lives in registers, staged in a K
+    stage) and the slot ids of 4 tiles (two stages) or 2 x stages - 1."""
     stage_keys = 32 if head_dim >= 256 else 64
-    smem = (64 * head_dim + 4 * stage_keys * head_dim) * 2 + 4 * stage_keys * 8
+    stages = 3 if head_dim == 128 else 2
+    q_elems = 0 if head_dim <= 128 else 64 * head_dim
+    id_tiles = 4 if stages == 2 else 2 * stages - 1
+    smem = (q_elems + 2 * stages * stage_keys * head_dim) * 2 + id_tiles * stage_keys * 8
     return KernelResources(_CUDA_THREADS, CUDA_TREE_VERIFY_REGS.get(head_dim, 255), smem)
 
 

@@ -149,9 +149,13 @@ class PtxCudaOps:
         raw = bytes(p)
         mod = self._module("tree_verify/tree_verify_attention.cu")
         tname = "13__nv_bfloat16" if q.dtype == torch.bfloat16 else "6__half"
-        # launch(): TileConfig<D>::kSmemBytes, 4 warps, 64 rows per CTA
+        # launch(): TileConfig<D>::kSmemBytes, 4 warps, 64 rows per CTA: [Q tile, D > 128 only] +
+        # stages x (K + V) of stage_keys rows + the slot ids of 4 (2 stages) or 2 x stages - 1 tiles
         stage_keys = 32 if D >= 256 else 64
-        smem = (64 * D + 4 * stage_keys * D) * 2 + 4 * stage_keys * 8   # + slot ids of 4 tiles
+        stages = 3 if D == 128 else 2
+        q_elems = 0 if D <= 128 else 64 * D
+        id_tiles = 4 if stages == 2 else 2 * stages - 1
+        smem = (q_elems + 2 * stages * stage_keys * D) * 2 + id_tiles * stage_keys * 8
         m_blocks = -(-max_rows // 64)
         self._run(m, mod, f"tree_verify_kernelI{tname}Li{D}E", (B * Hkv * m_blocks, num_splits), (128,), [raw], smem)
         if num_splits > 1:

@@ -34,11 +34,19 @@ MUTANTS = {
     "p_fragment_order": (TV, "P as A fragment: registers a1 and a2 swapped",
                          "pack2<T>(s[j][2], s[j][3]),\n                         pack2<T>(s[j + 1][0], s[j + 1][1])",
                          "pack2<T>(s[j + 1][0], s[j + 1][1]),\n                         pack2<T>(s[j][2], s[j][3])"),
-    "prefetch_into_current_stage": (TV, "the prefetch of tile t+1 goes to stage t & 1",
-                                    "load_tile(t + 1, (t + 1) & 1);", "load_tile(t + 1, t & 1);"),
-    "wait_group_2": (TV, "cp.async.wait_group 2 instead of 1", "cp_async_wait<1>();", "cp_async_wait<2>();"),
+    "prefetch_into_current_stage": (TV, "the prefetch of tile t + stages - 1 goes to stage t",
+                                    "load_tile(t + kStages - 1, (t + kStages - 1) % kStages);",
+                                    "load_tile(t + kStages - 1, t % kStages);"),
+    "wait_group_stages": (TV, "cp.async.wait_group kStages instead of kStages - 1",
+                          "cp_async_wait<kStages - 1>();", "cp_async_wait<kStages>();"),
     "no_loop_top_sync": (TV, "no __syncthreads after the wait",
-                         "      cp_async_wait<0>();\n    }\n    __syncthreads();", "      cp_async_wait<0>();\n    }\n"),
+                         "  // tile t has landed\n    __syncthreads();", "  // tile t has landed\n"),
+    "no_sync_after_q_fragments": (TV, "no __syncthreads between reading Q into registers and refilling its stage",
+                                  "    __syncthreads();  // the Q tile is K stage", "    // the Q tile is K stage"),
+    "id_ring_one_short": (TV, "slot-id ring of 2 x stages - 2 tiles (three stages)",
+                          "2 * kStages - 1;\n", "2 * kStages - 2;\n"),
+    "ids_one_tile_late": (TV, "tile u's slot ids travel with tile u - stages + 1's K/V",
+                          "load_indices(t + 2 * kStages - 1);", "load_indices(t + 2 * kStages - 2);"),
     "no_loop_end_sync": (TV, "no __syncthreads at the end of the tile loop",
                          "    __syncthreads();  // the stage is refilled", "    // the stage is refilled"),
     "tail_mask_off_by_one": (TV, "tail mask bit pos - prefix_len + 1",
@@ -62,15 +70,17 @@ def patched(path, old, new):
 
 
 def run_tree_verify(ops):
-    # 3+ KV tiles per split (prefetch into a stage read before), a tree tail, 4 query heads per KV head (warps_n > 1
-    # so the merge runs), forced 2 splits (the combine)
-    # so the merge runs), forced 2 splits (the combine); the third request has no prefix, so its
-    # first split has no tile at all and goes from the Q load straight to the merge
-    case = make_case([6, 3, 2], [200, 20, 0], hq=4, hkv=1, d=64, dtype=torch.bfloat16, kind="random", seed=11)
-    out, lse = tv.run_ptx(case, ops, splits=2)
-    ref, ref_lse = tv.reference(case)
-    torch.testing.assert_close(out.float(), ref.float(), atol=2e-2, rtol=2e-2, equal_nan=True)
-    torch.testing.assert_close(lse, ref_lse.float(), atol=1e-4, rtol=1e-4, equal_nan=True)
+    # More KV tiles per split than stages (prefetch into a stage read before; D = 64: two stages,
+    # D = 128: three, and 5 tiles in each split to wrap the 5-tile slot-id ring), a tree tail,
+    # 4 query heads per KV head (warps_n > 1 so the merge runs), forced 2 splits (the combine); the
+    # third request has no prefix, so its first split has no tile at all and goes from the Q load
+    # straight to the merge
+    for d, prefix in ((128, 520), (64, 200)):
+        case = make_case([6, 3, 2], [prefix, 20, 0], hq=4, hkv=1, d=d, dtype=torch.bfloat16, kind="random", seed=11)
+        out, lse = tv.run_ptx(case, ops, splits=2)
+        ref, ref_lse = tv.reference(case)
+        torch.testing.assert_close(out.float(), ref.float(), atol=2e-2, rtol=2e-2, equal_nan=True)
+        torch.testing.assert_close(lse, ref_lse.float(), atol=1e-4, rtol=1e-4, equal_nan=True)
 
 
 def test_unmutated_case_passes():

@@ -69,6 +69,7 @@ CASES = [
     ([64], [5], 2, 1, 64, torch.bfloat16, "chain", 0, torch.int32),                # n_b = 64: two row blocks
     ([7, 2], [40, 65], 4, 1, 128, torch.float16, "wide", 3, torch.int32),          # D 128, 3 splits
     ([4], [33], 2, 1, 256, torch.bfloat16, "random", 0, torch.int32),              # D 256 (32-key stages)
+    ([9, 2], [380, 3], 2, 1, 128, torch.bfloat16, "random", 0, torch.int64),      # D 128: 3 stages, 7 tiles
 ]
 
 
@@ -82,9 +83,9 @@ def test_tree_verify_matches_reference(ns, prefixes, hq, hkv, d, dtype, kind, sp
     assert ("merge_splits" in " ".join(names)) == (splits > 1)
 
 
-@pytest.mark.parametrize("dtype,splits", [(torch.bfloat16, 0), (torch.float16, 2)])
-def test_decode_matches_reference(dtype, splits):
-    case = make_case([1, 1, 1], [9, 66, 1], hq=8, hkv=2, d=64, dtype=dtype, seed=3)
+@pytest.mark.parametrize("dtype,splits,d", [(torch.bfloat16, 0, 64), (torch.float16, 2, 64), (torch.bfloat16, 0, 128)])
+def test_decode_matches_reference(dtype, splits, d):
+    case = make_case([1, 1, 1], [9, 66, 1 if d == 64 else 260], hq=8, hkv=2, d=d, dtype=dtype, seed=3)
     check(case, dtype, decode=True, splits=splits)
 
 
