@@ -184,7 +184,7 @@ def group_for():
 # The bottom parametrize varies slowest: one process group per world size, in turn.
 @pytest.mark.parametrize("fused", [True, False], ids=["fused", "unfused"])
 @pytest.mark.parametrize("tokens", TOKENS[PRESET.name])
-@pytest.mark.parametrize("algorithm", ["oneshot_push", "oneshot_pull", "twoshot", "torch"])
+@pytest.mark.parametrize("algorithm", ["oneshot_push_1block", "oneshot_push", "oneshot_pull", "twoshot", "torch"])
 @pytest.mark.parametrize("world", WORLD_SIZES)
 def test_allreduce(benchmark, bench_results, group_for, world, tokens, algorithm, fused):
     group = group_for(world)

@@ -531,10 +531,14 @@ void allreduce_ipc_close(int64_t ptr, int64_t device) {
   check_launch(ar::ipc_close(as_ptr(ptr, "ptr")), "allreduce_ipc_close");
 }
 
-void allreduce_init_buffer(int64_t ptr, int64_t world, int64_t max_bytes, int64_t push_bytes, int64_t device) {
+void allreduce_init_buffer(int64_t ptr, int64_t world, int64_t max_bytes, int64_t push_bytes, int64_t num_blocks,
+                           int64_t device) {
   check_buffer_sizes(world, max_bytes, push_bytes);
+  TORCH_CHECK(num_blocks >= 1 && num_blocks <= ar::kMaxBlocks, "num_blocks must be in [1, ", ar::kMaxBlocks,
+              "], got ", num_blocks);
   const c10::cuda::CUDAGuard guard(static_cast<c10::DeviceIndex>(device));
   check_launch(ar::init_buffer(as_ptr(ptr, "ptr"), static_cast<int>(world), max_bytes, push_bytes,
+                               static_cast<int>(num_blocks),
                                c10::cuda::getCurrentCUDAStream(static_cast<c10::DeviceIndex>(device)).stream()),
                "allreduce_init_buffer");
 }
@@ -546,8 +550,8 @@ void fused_allreduce(int64_t algorithm, int64_t rank, at::IntArrayRef bases, int
                      std::optional<double> out_scale, int64_t timeout_ns, int64_t error_word) {
   const int64_t world = static_cast<int64_t>(bases.size());
   check_buffer_sizes(world, max_bytes, push_bytes);
-  TORCH_CHECK(algorithm >= ar::kOneShotPush && algorithm <= ar::kTwoShot, "algorithm must be 0 (one-shot push), "
-              "1 (one-shot pull) or 2 (two-shot), got ", algorithm);
+  TORCH_CHECK(algorithm >= ar::kOneShotPush && algorithm <= ar::kOneShotPush1Block, "algorithm must be 0 "
+              "(one-shot push), 1 (one-shot pull), 2 (two-shot) or 3 (one-shot push, one block), got ", algorithm);
   TORCH_CHECK(rank >= 0 && rank < world, "rank must be in [0, ", world, "), got ", rank);
   TORCH_CHECK(num_blocks >= 1 && num_blocks <= ar::kMaxBlocks, "num_blocks must be in [1, ", ar::kMaxBlocks,
               "], got ", num_blocks);
@@ -558,7 +562,8 @@ void fused_allreduce(int64_t algorithm, int64_t rank, at::IntArrayRef bases, int
   TORCH_CHECK(x.size(1) % 8 == 0, "x's hidden size must be a multiple of 8 (16-byte rows), got ", x.size(1));
   const int64_t bytes = x.numel() * x.element_size();
   TORCH_CHECK(bytes <= max_bytes, "x has ", bytes, " bytes, more than max_bytes=", max_bytes);
-  TORCH_CHECK(algorithm != ar::kOneShotPush || bytes <= push_bytes, "x has ", bytes,
+  TORCH_CHECK((algorithm != ar::kOneShotPush && algorithm != ar::kOneShotPush1Block) || bytes <= push_bytes, "x has ",
+              bytes,
               " bytes, more than the push path's push_bytes=", push_bytes);
   const bool fused = residual.has_value();
   TORCH_CHECK(fused == weight.has_value() && fused == residual_out.has_value(),
@@ -647,7 +652,7 @@ TORCH_LIBRARY(spec_kernels_cuda, m) {
   m.def("allreduce_ipc_handle(int ptr, int device) -> Tensor", &allreduce_ipc_handle);
   m.def("allreduce_ipc_open(Tensor handle, int device) -> int", &allreduce_ipc_open);
   m.def("allreduce_ipc_close(int ptr, int device) -> ()", &allreduce_ipc_close);
-  m.def("allreduce_init_buffer(int ptr, int world, int max_bytes, int push_bytes, int device) -> ()",
+  m.def("allreduce_init_buffer(int ptr, int world, int max_bytes, int push_bytes, int num_blocks, int device) -> ()",
         &allreduce_init_buffer);
   m.def("fused_allreduce(int algorithm, int rank, int[] bases, int max_bytes, int push_bytes, int num_blocks, "
         "Tensor x, Tensor? residual, Tensor? weight, Tensor(a!) out, Tensor(b!)? residual_out, float eps, "

@@ -205,13 +205,17 @@ def test_cpu_timeout_raises_instead_of_hanging():
 def test_cost_model_defaults():
     cuda_ok = {a: None for a in ALGORITHMS}
     one_token_tp8 = 7168 * 2
-    assert choose(one_token_tp8, 8, cuda_ok, None) == "oneshot_push"
+    # one decode token: the one-block push (no per-block handshakes); a few tokens: the full grid
+    assert choose(one_token_tp8, 8, cuda_ok, None) == "oneshot_push_1block"
+    assert choose(4 * one_token_tp8, 2, cuda_ok, None) == "oneshot_push_1block"
+    assert choose(4 * one_token_tp8, 8, cuda_ok, None) != "oneshot_push_1block"
     assert choose(64 * one_token_tp8, 8, cuda_ok, None) == "twoshot"
     assert choose(2048 * one_token_tp8, 2, cuda_ok, None) == "oneshot_push"  # equal bytes at TP2
-    c = choose(2048 * one_token_tp8, 2, cuda_ok, None, max_bytes={"oneshot_push": 1 << 20})
-    assert c == "oneshot_pull" and "oneshot_push: takes messages up to 1048576 B" in c.reason
+    small_push = {"oneshot_push": 1 << 20, "oneshot_push_1block": 1 << 20}
+    c = choose(2048 * one_token_tp8, 2, cuda_ok, None, max_bytes=small_push)
+    assert c == "oneshot_pull" and "oneshot_push_1block, oneshot_push: takes messages up to 1048576 B" in c.reason
     c = choose(one_token_tp8, 8, cuda_ok, None)
-    assert "untuned" in c.reason and "cost model" in c.reason and "oneshot_push 7.0 us" in c.reason
+    assert "untuned" in c.reason and "cost model" in c.reason and "oneshot_push_1block 8.0 us" in c.reason
     only_torch = {a: ("needs CUDA tensors" if a != "torch" else None) for a in ALGORITHMS}
     c = choose(100, 2, only_torch, None)
     assert c == "torch" and "the only usable algorithm" in c.reason and "needs CUDA tensors" in c.reason

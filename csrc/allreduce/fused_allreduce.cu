@@ -4,8 +4,11 @@
 // * one-shot push: every rank writes its rows into a slot of every peer's buffer; the slots are
 //   pre-filled with a sentinel (-0.0, which senders never send: they write +0.0 instead), so a
 //   receiver polls its own memory until no element is the sentinel. One one-way trip, no fence,
-//   no barrier. Three rotating slots: a slot is re-filled with the sentinel by its owner one push
-//   call after it was used and written again two calls later.
+//   no barrier. Three rotating slots: a slot is re-filled with the sentinel by its owner at the end
+//   of the call that used it (then a system-scope fence: the peers' next writes into it, three
+//   push calls later, come from other GPUs) and written again two calls later.
+// * one-shot push in one block (kOneShotPush1Block): the same for small messages (a decode
+//   token), one handshake per peer instead of one per block and peer.
 // * one-shot pull: every rank copies its rows into its own staging buffer, raises a flag in every
 //   peer's buffer, waits for the peers' flags, and reads every peer's rows.
 // * two-shot: the same copy and flags, then rank r reduces only its share of the rows into its
@@ -15,11 +18,14 @@
 // Work split: block b of every rank handles the same rows, so the flags are per (block, rank)
 // and no grid-wide barrier is needed. Sums are in fp32, in rank order 0..W-1, rounded to the
 // element type once: every rank computes the same bits. Every flag word carries the call's
-// device sequence number and a header (operation, bytes): ranks that disagree on the message
-// report kSizeMismatch instead of exchanging garbage. Every wait gives up after timeout_ns
-// (%globaltimer) and reports kTimeout; after a failure, the calls already queued on the rank do
-// nothing. Counters live in the buffer (per block), so a CUDA graph replay advances them like an
-// eager call.
+// device sequence number and a header (operation, grid, bytes: message_header): ranks that
+// disagree on the message report kSizeMismatch instead of exchanging garbage. The grid is fixed
+// when the buffer is created (Signals::num_blocks): a launch with another grid is refused
+// (kBlocksMismatch). Every wait gives up after timeout_ns (%globaltimer) and reports kTimeout;
+// after a failure, the calls already queued on the rank do nothing but write NaN into their
+// outputs (a CUDA graph replay that nobody checks must not compute on stale buffers). Counters
+// live in the buffer (per block), so a CUDA graph replay advances them like an eager call. Flags
+// are polled with relaxed loads; one acquire load follows once the expected word is seen.
 #include <cuda_runtime.h>
 
 #include <cstring>
@@ -41,10 +47,8 @@ constexpr uint32_t kSentinelPair = 0x80008000u;  // two 16-bit -0.0
 constexpr int kPushSlots = 3;
 
 struct BlockState {  // this rank's progress, per block; never read by peers
-  uint32_t seq;             // calls through these buffers
-  uint32_t push_slot;       // slot of the last push call (0 before the first)
-  uint32_t last_push_rows;  // rows of the last push call (to re-fill with the sentinel)
-  uint32_t last_push_row_bytes;  // and their size: the next call may have another hidden size
+  uint32_t seq;        // calls through these buffers
+  uint32_t push_slot;  // slot of the last push call (0 before the first)
 };
 
 // The head of every rank's buffer. Peers write the flag words; the rest is local.
@@ -53,6 +57,7 @@ struct Signals {
   uint64_t push_headers[kPushSlots][kMaxBlocks][kMaxRanks];  // [slot][block][from rank]
   BlockState state[kMaxBlocks];
   ErrorWord first_error;  // claimed by atomicCAS; the winner copies it to host memory
+  uint32_t num_blocks;    // the grid of every call (init_buffer); never changes
 };
 
 struct Layout {
@@ -85,7 +90,7 @@ struct Params {
   void* residual_out;
   ErrorWord* host_error;
   int rows, hidden, world, rank, algorithm;
-  uint32_t header;  // op << 28 | bytes
+  uint32_t header;  // message_header(op, gridDim.x, bytes)
   bool fused;
   float eps, inv_scale;
   uint64_t timeout_ns;
@@ -108,6 +113,12 @@ __device__ __forceinline__ void store_release_sys(uint64_t* ptr, uint64_t v) {
 __device__ __forceinline__ uint64_t load_acquire_sys(const uint64_t* ptr) {
   uint64_t v;
   asm volatile("ld.acquire.sys.global.u64 %0, [%1];" : "=l"(v) : "l"(ptr) : "memory");
+  return v;
+}
+
+__device__ __forceinline__ uint64_t load_relaxed_sys(const uint64_t* ptr) {
+  uint64_t v;
+  asm volatile("ld.relaxed.sys.global.u64 %0, [%1];" : "=l"(v) : "l"(ptr) : "memory");
   return v;
 }
 
@@ -165,10 +176,17 @@ struct Deadline {
   }
 };
 
-// Wait until `slot` holds call `seq`'s word; false on timeout or a header that is not ours.
+// Wait until `slot` holds call `seq`'s word; false on timeout or a header that is not ours. The
+// polls are relaxed; once the word is there, one acquire load of it orders this thread's later
+// reads after the peer's release (the word cannot change meanwhile: the peer writes this slot
+// again only two calls later, which needs our flag of the next call first).
 __device__ bool wait_word(const Params& p, const uint64_t* slot, uint32_t seq, int peer) {
   Deadline deadline;
   while (true) {
+    if (static_cast<uint32_t>(load_relaxed_sys(slot) >> 32) != seq) {
+      if (deadline.expired(p, seq, peer)) return false;
+      continue;
+    }
     const uint64_t w = load_acquire_sys(slot);
     if (static_cast<uint32_t>(w >> 32) == seq) {
       if (static_cast<uint32_t>(w) == p.header) return true;
@@ -257,6 +275,47 @@ __device__ __forceinline__ void finish_row(const Params& p, int row, float (&acc
 // flags alternate on seq & 1).
 __device__ __forceinline__ uint32_t next_seq(uint32_t seq) { return seq == 0xffffffffu ? 2u : seq + 1; }
 
+// NaN in the element type of a refused call's outputs.
+template <typename T> __device__ __forceinline__ T nan_of();
+template <> __device__ __forceinline__ __half nan_of<__half>() { return __ushort_as_half(0x7e00); }
+template <> __device__ __forceinline__ __nv_bfloat16 nan_of<__nv_bfloat16>() { return __ushort_as_bfloat16(0x7fc0); }
+template <> __device__ __forceinline__ __nv_fp8_e4m3 nan_of<__nv_fp8_e4m3>() {
+  __nv_fp8_e4m3 v;
+  v.__x = 0x7f;
+  return v;
+}
+
+template <typename T>
+__device__ __forceinline__ void fill_row_nan(T* row, int hidden) {
+  for (int i = threadIdx.x; i < hidden; i += blockDim.x) row[i] = nan_of<T>();
+}
+
+// A failed or refused call: NaN into every row of out (and residual_out) this block owns - the
+// rows finish_row would have written - so nothing downstream computes on stale data unnoticed.
+template <typename T, typename OutT>
+__device__ void poison_outputs(const Params& p) {
+  const auto poison = [&](int row) {
+    const int64_t start = static_cast<int64_t>(row) * p.hidden;
+    fill_row_nan(static_cast<OutT*>(p.out) + start, p.hidden);
+    if (p.fused) fill_row_nan(static_cast<T*>(p.residual_out) + start, p.hidden);
+  };
+  if (p.algorithm == kTwoShot) {
+    for (int o = 0; o < p.world; ++o)
+      for (int row = share_start(p, o) + blockIdx.x; row < share_start(p, o + 1); row += gridDim.x) poison(row);
+  } else {
+    for (int row = blockIdx.x; row < p.rows; row += gridDim.x) poison(row);
+  }
+}
+
+// The grid every call of these buffers must have; a launch with another one is refused (per-block
+// counters and slots would pair with other blocks' state on the peers).
+__device__ __forceinline__ bool grid_ok(const Params& p) {
+  const uint32_t want = p.algorithm == kOneShotPush1Block ? 1u : signals_of(p, p.rank)->num_blocks;
+  if (gridDim.x == want) return true;
+  if (threadIdx.x == 0) report(p, kBlocksMismatch, 0, -1, gridDim.x);
+  return false;
+}
+
 // Whether this rank already failed (uniform across the block). The host sees a failure only after
 // launching more calls; those calls must not run: they would reuse the failed call's number and
 // exchange stale data with the peers, or overwrite what a late peer still reads.
@@ -265,6 +324,9 @@ __device__ __forceinline__ bool rank_failed(const Params& p) {
       threadIdx.x == 0 &&
       *reinterpret_cast<volatile int32_t*>(&signals_of(p, p.rank)->first_error.code) != 0);
 }
+
+// A call that must not run: an earlier failure, or the wrong grid.
+__device__ __forceinline__ bool refused(const Params& p) { return rank_failed(p) || !grid_ok(p); }
 
 __device__ __forceinline__ void commit_state(const Params& p, uint32_t seq) {
   __syncthreads();
@@ -275,14 +337,14 @@ __device__ __forceinline__ void commit_state(const Params& p, uint32_t seq) {
 template <typename T, typename OutT, int ITEMS>
 __global__ void __launch_bounds__(1024, 1) oneshot_pull_kernel(const Params p) {
   constexpr int VEC = 16 / sizeof(T);
-  if (rank_failed(p)) return;
+  if (refused(p)) return poison_outputs<T, OutT>(p);
   const int nvec = p.hidden / VEC;
   const size_t rb = row_bytes(p, sizeof(T));
   const uint32_t seq = next_seq(signals_of(p, p.rank)->state[blockIdx.x].seq);
   const size_t staging = p.layout.staging[seq & 1];
   for (int row = blockIdx.x; row < p.rows; row += gridDim.x)
     copy_row(p.bases[p.rank] + staging + row * rb, static_cast<const char*>(p.x) + row * rb, nvec);
-  if (!block_barrier(p, seq, 0)) return;
+  if (!block_barrier(p, seq, 0)) return poison_outputs<T, OutT>(p);
   for (int row = blockIdx.x; row < p.rows; row += gridDim.x) {
     float acc[ITEMS][VEC];
     sum_ranks<T, VEC, ITEMS>(p, staging + row * rb, nvec, acc);
@@ -295,7 +357,7 @@ __global__ void __launch_bounds__(1024, 1) oneshot_pull_kernel(const Params p) {
 template <typename T, typename OutT, int ITEMS>
 __global__ void __launch_bounds__(1024, 1) twoshot_kernel(const Params p) {
   constexpr int VEC = 16 / sizeof(T);
-  if (rank_failed(p)) return;
+  if (refused(p)) return poison_outputs<T, OutT>(p);
   const int nvec = p.hidden / VEC;
   const size_t rb = row_bytes(p, sizeof(T));
   const uint32_t seq = next_seq(signals_of(p, p.rank)->state[blockIdx.x].seq);
@@ -305,7 +367,7 @@ __global__ void __launch_bounds__(1024, 1) twoshot_kernel(const Params p) {
     for (int row = share_start(p, o) + blockIdx.x; row < share_start(p, o + 1); row += gridDim.x)
       copy_row(p.bases[p.rank] + staging + row * rb, static_cast<const char*>(p.x) + row * rb,
                   nvec);
-  if (!block_barrier(p, seq, 0)) return;
+  if (!block_barrier(p, seq, 0)) return poison_outputs<T, OutT>(p);
   for (int row = share_start(p, p.rank) + blockIdx.x; row < share_start(p, p.rank + 1);
        row += gridDim.x) {
     float acc[ITEMS][VEC];
@@ -318,7 +380,7 @@ __global__ void __launch_bounds__(1024, 1) twoshot_kernel(const Params p) {
                           acc[i]);
     }
   }
-  if (!block_barrier(p, seq, 1)) return;
+  if (!block_barrier(p, seq, 1)) return poison_outputs<T, OutT>(p);
   for (int o = 0; o < p.world; ++o)
     for (int row = share_start(p, o) + blockIdx.x; row < share_start(p, o + 1); row += gridDim.x) {
       float acc[ITEMS][VEC];
@@ -360,7 +422,7 @@ template <typename T, typename OutT, int ITEMS>
 __global__ void __launch_bounds__(1024, 1) oneshot_push_kernel(const Params p) {
   static_assert(sizeof(T) == 2, "the -0.0 sentinel is a 16-bit pattern");
   constexpr int VEC = 8;
-  if (rank_failed(p)) return;
+  if (refused(p)) return poison_outputs<T, OutT>(p);
   const int nvec = p.hidden / VEC;
   const size_t rb = row_bytes(p, sizeof(T));
   BlockState* st = &signals_of(p, p.rank)->state[blockIdx.x];
@@ -368,21 +430,8 @@ __global__ void __launch_bounds__(1024, 1) oneshot_push_kernel(const Params p) {
   // multiple of 3, so at the wrap (days of decoding) two consecutive calls would share a slot
   // that was never re-armed and read the previous call's data as this call's.
   const uint32_t seq = next_seq(st->seq);
-  const int prev = static_cast<int>(st->push_slot % kPushSlots), slot = (prev + 1) % kPushSlots;
+  const int slot = static_cast<int>((st->push_slot + 1) % kPushSlots);
   char* mine = p.bases[p.rank];
-
-  // Re-arm the previous push call's rows with the sentinel; peers write that slot again only two
-  // push calls from now, which needs this call's rows from us first (sent below). The rows are
-  // that call's rows, of that call's size (the hidden size may differ between calls).
-  const size_t prev_rb = st->last_push_row_bytes;
-  for (int row = blockIdx.x; row < static_cast<int>(st->last_push_rows); row += gridDim.x)
-    for (int q = 0; q < p.world; ++q) {
-      uint4* dst = reinterpret_cast<uint4*>(mine + p.layout.push[prev] + q * p.push_stride + row * prev_rb);
-      for (int v = threadIdx.x; v < static_cast<int>(prev_rb / 16); v += blockDim.x)
-        dst[v] = make_uint4(kSentinelPair, kSentinelPair, kSentinelPair, kSentinelPair);
-    }
-  __threadfence();
-  __syncthreads();
 
   // Header first (receivers check it before polling data), then the rows themselves.
   if (threadIdx.x < p.world)
@@ -405,7 +454,7 @@ __global__ void __launch_bounds__(1024, 1) oneshot_push_kernel(const Params p) {
   if (threadIdx.x < p.world)
     ok = wait_word(p, &signals_of(p, p.rank)->push_headers[slot][blockIdx.x][threadIdx.x], seq,
                    threadIdx.x);
-  if (!__syncthreads_and(ok)) return;
+  if (!__syncthreads_and(ok)) return poison_outputs<T, OutT>(p);
 
   for (int row = blockIdx.x; row < p.rows; row += gridDim.x) {
     float acc[ITEMS][VEC];
@@ -435,15 +484,29 @@ __global__ void __launch_bounds__(1024, 1) oneshot_push_kernel(const Params p) {
 #pragma unroll
       for (int k = 0; k < VEC; ++k) acc[i][k] = round_to<T>(acc[i][k]);
     }
-    if (!__syncthreads_and(row_ok)) return;
+    if (!__syncthreads_and(row_ok)) return poison_outputs<T, OutT>(p);
     finish_row<T, OutT, VEC, ITEMS>(p, row, acc, nvec);
   }
+
+  // Re-arm the rows this block just read with the sentinel. The peers write this slot again three
+  // push calls from now, after they have this rank's rows of the next two calls, which it sends
+  // only after this point: the system-scope fence makes the sentinel land before those (the peers'
+  // writes come from other GPUs, so a GPU-scope fence would not order them).
   __syncthreads();
-  if (threadIdx.x == 0) {
-    st->seq = seq;
-    st->push_slot = slot;
-    st->last_push_rows = p.rows;
-    st->last_push_row_bytes = static_cast<uint32_t>(rb);
+  for (int row = blockIdx.x; row < p.rows; row += gridDim.x)
+    for (int q = 0; q < p.world; ++q) {
+      uint4* dst = reinterpret_cast<uint4*>(mine + p.layout.push[slot] + q * p.push_stride + row * rb);
+      for (int v = threadIdx.x; v < nvec; v += blockDim.x)
+        dst[v] = make_uint4(kSentinelPair, kSentinelPair, kSentinelPair, kSentinelPair);
+    }
+  __threadfence_system();
+  __syncthreads();
+  // The one-block variant advances every block's counters: all blocks stay at the same call
+  // number and push slot, so a later call with the full grid pairs up like any other.
+  const int states = p.algorithm == kOneShotPush1Block ? static_cast<int>(signals_of(p, p.rank)->num_blocks) : 1;
+  for (int b = threadIdx.x; b < states; b += blockDim.x) {
+    st[b].seq = seq;
+    st[b].push_slot = static_cast<uint32_t>(slot);
   }
 }
 
@@ -457,7 +520,8 @@ __global__ void fill_kernel(uint32_t* ptr, size_t n, uint32_t value) {
 template <typename T, typename OutT, int ITEMS>
 void launch_items(const Params& p, int blocks, int threads, cudaStream_t stream) {
   switch (p.algorithm) {
-    case kOneShotPush: oneshot_push_kernel<T, OutT, ITEMS><<<blocks, threads, 0, stream>>>(p); break;
+    case kOneShotPush:
+    case kOneShotPush1Block: oneshot_push_kernel<T, OutT, ITEMS><<<blocks, threads, 0, stream>>>(p); break;
     case kOneShotPull: oneshot_pull_kernel<T, OutT, ITEMS><<<blocks, threads, 0, stream>>>(p); break;
     default: twoshot_kernel<T, OutT, ITEMS><<<blocks, threads, 0, stream>>>(p); break;
   }
@@ -486,11 +550,13 @@ size_t buffer_bytes(int world, int64_t max_bytes, int64_t push_bytes) {
   return make_layout(world, max_bytes, push_bytes).total;
 }
 
-cudaError_t init_buffer(void* base, int world, int64_t max_bytes, int64_t push_bytes,
+cudaError_t init_buffer(void* base, int world, int64_t max_bytes, int64_t push_bytes, int num_blocks,
                         cudaStream_t stream) {
+  if (num_blocks < 1 || num_blocks > kMaxBlocks) return cudaErrorInvalidValue;
   const Layout l = make_layout(world, max_bytes, push_bytes);
   cudaError_t err = cudaMemsetAsync(base, 0, l.push[0], stream);
   if (err != cudaSuccess) return err;
+  fill_kernel<<<1, 32, 0, stream>>>(&reinterpret_cast<Signals*>(base)->num_blocks, 1, static_cast<uint32_t>(num_blocks));
   const size_t words = (l.total - l.push[0]) / 4;
   fill_kernel<<<256, 256, 0, stream>>>(
       reinterpret_cast<uint32_t*>(static_cast<char*>(base) + l.push[0]), words, kSentinelPair);
@@ -501,7 +567,7 @@ cudaError_t launch(const Call& c, cudaStream_t stream) {
   const bool sizes_ok = c.world >= 2 && c.world <= kMaxRanks && c.rank >= 0 && c.rank < c.world &&
                         c.num_blocks >= 1 && c.num_blocks <= kMaxBlocks && c.hidden >= 8 &&
                         c.hidden <= kMaxNormHidden && c.hidden % 8 == 0 && c.rows >= 0 &&
-                        c.algorithm >= kOneShotPush && c.algorithm <= kTwoShot;
+                        c.algorithm >= kOneShotPush && c.algorithm <= kOneShotPush1Block;
   if (!sizes_ok || (c.dtype != NormDType::kFloat16 && c.dtype != NormDType::kBFloat16))
     return cudaErrorInvalidValue;
   // Every tensor is accessed with 16-byte vectors (an fp8 out with 8-byte ones); a misaligned
@@ -514,7 +580,8 @@ cudaError_t launch(const Call& c, cudaStream_t stream) {
                    !aligned(c.residual_out, 16))))
     return cudaErrorMisalignedAddress;
   const int64_t bytes = c.rows * c.hidden * 2;
-  if (bytes > c.max_bytes || (c.algorithm == kOneShotPush && bytes > c.push_bytes) ||
+  const bool push = c.algorithm == kOneShotPush || c.algorithm == kOneShotPush1Block;
+  if (bytes > c.max_bytes || (push && bytes > c.push_bytes) ||
       bytes >= (int64_t{1} << 28))
     return cudaErrorInvalidValue;
   Params p{};
@@ -533,14 +600,15 @@ cudaError_t launch(const Call& c, cudaStream_t stream) {
   p.rank = c.rank;
   p.algorithm = c.algorithm;
   const uint32_t op = c.fused ? (c.fp8_out ? 2u : 1u) : 0u;
-  p.header = (op << 28) | static_cast<uint32_t>(bytes);
+  const int blocks = c.algorithm == kOneShotPush1Block ? 1 : c.num_blocks;
+  p.header = message_header(op, static_cast<uint32_t>(blocks), static_cast<uint64_t>(bytes));
   p.fused = c.fused;
   p.eps = c.eps;
   p.inv_scale = c.fp8_out ? c.inv_scale : 1.f;
   p.timeout_ns = c.timeout_ns;
   const bool fp8 = c.fused && c.fp8_out;
-  return c.dtype == NormDType::kFloat16 ? launch_out<__half>(p, fp8, c.num_blocks, stream)
-                                        : launch_out<__nv_bfloat16>(p, fp8, c.num_blocks, stream);
+  return c.dtype == NormDType::kFloat16 ? launch_out<__half>(p, fp8, blocks, stream)
+                                        : launch_out<__nv_bfloat16>(p, fp8, blocks, stream);
 }
 
 cudaError_t ipc_alloc(size_t bytes, void** ptr) { return cudaMalloc(ptr, bytes); }

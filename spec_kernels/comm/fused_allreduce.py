@@ -3,9 +3,12 @@ add and RMSNorm that follow it.
 
 Algorithms (chosen per message size, see spec_kernels.comm.selection):
 
-* ``oneshot_push``, ``oneshot_pull``, ``twoshot``: CUDA kernels over IPC buffers registered once
+* ``oneshot_push``, ``oneshot_push_1block`` (small messages: one thread block, one handshake per
+  peer), ``oneshot_pull``, ``twoshot``: CUDA kernels over IPC buffers registered once
   (spec_kernels.comm.ipc), the residual+RMSNorm epilogue fused; CUDA tensors, the extension,
-  world size 2/4/8 and P2P (or one shared GPU) needed.
+  world size 2/4/8 and P2P (or one shared GPU) needed, proved at construction by a P2P self-test
+  over the IPC mappings (spec_kernels.comm.p2p_check); any failing pair sends every rank to
+  ``torch``.
 * ``torch``: torch.distributed all_reduce on the group (NCCL on GPUs, gloo on CPUs; CUDA tensors
   on a gloo group are staged through host memory), then spec_kernels.fused_add_rmsnorm.
 
@@ -16,15 +19,19 @@ same bits; NCCL/gloo may round partial sums (bf16: within a few ulps of the fp32
 
 Safety:
 
-* every call carries a header (sequence number, tokens, hidden, dtype, operation); ranks that
-  disagree raise a RuntimeError on every rank, naming the ranks, the algorithm and the call
-  number, before any data moves. On the torch path the header is an all_gather, checked on the
+* every call carries a header; ranks that disagree raise a RuntimeError on every rank, naming
+  the ranks, the algorithm and the call number, before any data moves. On the torch path the
+  header (sequence number, tokens, hidden, dtype, operation) is an all_gather, checked on the
   host (one sync on CUDA tensors; skipped during CUDA graph capture, where shapes are fixed);
-  the CUDA kernels compare headers on the device.
+  the CUDA kernels compare a header word on the device (call number, operation, message bytes,
+  grid size: the grid is fixed when the buffers are registered, another grid is refused).
 * waits time out: gloo collectives are waited for with ``timeout_s``; NCCL ones use the process
   group's own timeout (its watchdog aborts the communicator); the CUDA kernels' spin-waits
-  give up after ``timeout_s`` and report to a host-mapped error word, checked at the next call
-  and by ``synchronize()``. A communicator that failed once refuses further calls.
+  give up after ``timeout_s`` and report to a host-mapped error word, checked at the next call,
+  by ``synchronize()`` and by ``check_device_errors()`` (host memory only: safe between CUDA
+  graph replays, where no per-call host code runs). A failed call and every call after it write
+  NaN into their outputs, so a replayed graph never computes on stale buffers silently. A
+  communicator that failed once refuses further calls.
 * construction is collective and checks that all ranks agree on hidden size, dtype, max_tokens,
   device kind and tuning table, so every rank selects the same algorithm for every call.
 """
@@ -208,6 +215,19 @@ class FusedAllReduce:
             torch.cuda.current_stream(self.device).synchronize()
         self._raise_device_errors()
 
+    def check_device_errors(self) -> None:
+        """Raise the RuntimeError (rank, algorithm, device call number) of a failure that a CUDA
+        kernel of this communicator has reported, or of an earlier failure; else return.
+
+        Reads host memory only: no device sync, no CUDA call, so it may run while a CUDA graph is
+        captured or between replays. Calls captured in a graph never run the per-call checks on
+        the host; call this once per step (the SGLang integration does, before every forward and
+        graph replay). A failure shows here once the kernel that failed has run; until then, and
+        for every call after it, the kernels write NaN into their outputs."""
+        if self._broken is not None:
+            raise RuntimeError(f"FusedAllReduce is unusable after an earlier failure: {self._broken}")
+        self._raise_device_errors()
+
     def close(self) -> None:
         """Release the registered buffers. Idempotent; later calls raise. Not collective, but on
         the CUDA paths peers may still read this rank's buffers until they are done: close after
@@ -237,20 +257,23 @@ class FusedAllReduce:
                 f"hidden={self.hidden_size}, dtype={self.dtype}, max_tokens={self.max_tokens}, usable={usable})")
 
     # ------------------------------------------------------------------ errors
-    def _error(self, msg: str) -> RuntimeError:
+    def _error(self, msg: str, algorithm: Optional[str] = None) -> RuntimeError:
         return RuntimeError(f"FusedAllReduce rank {self.rank} of {self.world_size} "
-                            f"(algorithm {self._algo!r}, call #{self._seq}): {msg}")
+                            f"(algorithm {(algorithm or self._algo)!r}, call #{self._seq}): {msg}")
 
-    def _fail(self, msg: str, cause: Optional[BaseException] = None):
-        err = self._error(msg)
+    def _fail(self, msg: str, cause: Optional[BaseException] = None, algorithm: Optional[str] = None):
+        err = self._error(msg, algorithm)
         self._broken = str(err)
         raise err from cause
 
     def _raise_device_errors(self) -> None:
+        """A kernel's report names the algorithm of the call that failed and its device call
+        number (graph replays advance only that one)."""
         if self._ipc is not None:
-            msg = self._ipc.pending_error()
-            if msg is not None:
-                self._fail(msg)
+            found = self._ipc.pending_error()
+            if found is not None:
+                algorithm, msg = found
+                self._fail(msg, algorithm=algorithm)
 
     # ------------------------------------------------------------------ per call
     def _check_x(self, x: torch.Tensor) -> None:

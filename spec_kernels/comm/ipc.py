@@ -7,8 +7,11 @@ through the communicator's process group once; every rank maps every peer's buff
 that a call is one kernel launch with fixed pointers: CUDA-graph capturable.
 
 Failures inside a kernel (a peer that never arrives within timeout_s, a peer sending a different
-message) are written to pinned host memory that the GPU writes directly; the communicator reads
-it at its next call and in synchronize(), without a device sync.
+message, a launch with another grid than the buffers were made for) are written to pinned host
+memory that the GPU writes directly; the communicator reads it at its next call, in
+synchronize() and in check_device_errors() (which the SGLang integration calls once per step,
+also when the step is a CUDA graph replay), without a device sync. A failed call, and every call
+after it, writes NaN into its outputs: a replayed graph cannot silently compute on stale data.
 
 Status: compiled for sm_90a / sm_120a and reviewed, NOT yet run on a GPU; the torch-side ops
 are registered in csrc/ops.cpp (torch.ops.spec_kernels_cuda.fused_allreduce and allreduce_*).
@@ -25,9 +28,8 @@ import torch
 from .._ops import cuda_ops, cuda_unavailable_reason, sm_count
 
 PUSH_CAPACITY = 1 << 20  # largest message on the push path: 3 slots x W senders of it per rank
-MAX_BLOCKS = 64  # thread blocks per call (kernel limit 128); the minimum over ranks is used
-ALGORITHM_CODES = {"oneshot_push": 0, "oneshot_pull": 1, "twoshot": 2}
-_ERRORS = {1: "timed out", 2: "size mismatch"}
+MAX_BLOCKS = 64  # thread blocks per call (the kernels' limit); the minimum over ranks is used
+ALGORITHM_CODES = {"oneshot_push": 0, "oneshot_pull": 1, "twoshot": 2, "oneshot_push_1block": 3}
 
 
 def unavailable_reason(device: torch.device, world_size: int, hidden_size: int, dtype: torch.dtype) -> Optional[str]:
@@ -68,8 +70,6 @@ class IpcBuffers:
         try:
             size = self._ops.allreduce_buffer_bytes(comm.world_size, self.max_bytes, self.push_bytes)
             self.base = self._ops.allreduce_ipc_alloc(size, self.index)
-            self._ops.allreduce_init_buffer(self.base, comm.world_size, self.max_bytes, self.push_bytes, self.index)
-            torch.cuda.synchronize(comm.device)
             handle = _handle_to_ints(self._ops.allreduce_ipc_handle(self.base, self.index))
         except Exception as exc:  # noqa: BLE001 - reported to every rank below
             local_error = exc
@@ -92,6 +92,11 @@ class IpcBuffers:
         sharing = Counter((row_[2], row_[3]) for row_ in rows)
         self.num_blocks = max(1, min(min(row_[1] // sharing[(row_[2], row_[3])], MAX_BLOCKS) for row_ in rows))
         try:
+            # The buffer records num_blocks: every call launches that grid (the kernels refuse
+            # another). No peer touches the buffer before the caller's next collective.
+            self._ops.allreduce_init_buffer(self.base, comm.world_size, self.max_bytes, self.push_bytes,
+                                            self.num_blocks, self.index)
+            torch.cuda.synchronize(comm.device)
             self.bases = []
             for r, row_ in enumerate(rows):
                 if r == comm.rank:
@@ -108,7 +113,8 @@ class IpcBuffers:
 
     def limits(self) -> dict[str, int]:
         """Largest message in bytes per algorithm."""
-        return {"oneshot_push": self.push_bytes, "oneshot_pull": self.max_bytes, "twoshot": self.max_bytes}
+        return {"oneshot_push": self.push_bytes, "oneshot_push_1block": self.push_bytes, "oneshot_pull": self.max_bytes,
+                "twoshot": self.max_bytes}
 
     def run(self, algorithm: str, x: torch.Tensor, seq: int, *, out: torch.Tensor,
             residual: Optional[torch.Tensor] = None, weight: Optional[torch.Tensor] = None, eps: float = 0.0,
@@ -117,20 +123,10 @@ class IpcBuffers:
                                   self.push_bytes, self.num_blocks, x, residual, weight, out, residual_out,
                                   float(eps), out_scale, self.timeout_ns, self.error.data_ptr())
 
-    def pending_error(self) -> Optional[str]:
-        """A failure reported by an earlier kernel, as a message (no device sync), or None."""
-        code, seq, rank, peer, block, algo, mine, theirs = self.error.tolist()
-        if code == 0:
-            return None
-        name = {v: k for k, v in ALGORITHM_CODES.items()}.get(algo, f"algorithm#{algo}")
-        where = f"device call #{seq} ({name}, block {block})"
-        if code == 1:
-            return (f"{where}: waited more than timeout_s={self.comm.timeout_s:g} s for rank {peer}; it is dead, "
-                    f"stuck, or not making the same calls")
-        if code == 2:
-            return (f"{where}: ranks disagree on the message: this rank sends {_header(mine)}, rank {peer} "
-                    f"sends {_header(theirs & 0xFFFFFFFF)}")
-        return f"{where}: error code {code}"
+    def pending_error(self) -> Optional[tuple[str, str]]:
+        """A failure reported by an earlier kernel as (algorithm, message), read from host memory
+        (no device sync), or None."""
+        return describe_error_word(self.error.tolist(), self.comm.timeout_s, self.num_blocks)
 
     def close(self) -> None:
         if self.opened or self.base:
@@ -152,7 +148,29 @@ def _gpu_id(index: int) -> int:
     return zlib.crc32(str(ident).encode())
 
 
+def describe_error_word(word: list[int], timeout_s: float, num_blocks: int) -> Optional[tuple[str, str]]:
+    """(algorithm, message) for the ErrorWord fields (code, seq, rank, peer, block, algorithm,
+    mine, theirs) a kernel left in host memory; None when code is 0."""
+    code, seq, _rank, peer, block, algo, mine, theirs = (int(v) for v in word)
+    if code == 0:
+        return None
+    name = {v: k for k, v in ALGORITHM_CODES.items()}.get(algo, f"algorithm#{algo}")
+    if code == 3:
+        return name, (f"a {name} kernel was launched with {theirs & 0xFFFFFFFF} thread blocks; the buffers were "
+                      f"created for {num_blocks} (1 for oneshot_push_1block): refused")
+    where = f"device call #{seq & 0xFFFFFFFF} (block {block})"
+    if code == 1:
+        return name, (f"{where}: waited more than timeout_s={timeout_s:g} s for rank {peer}; it is dead, "
+                      f"stuck, or not making the same calls")
+    if code == 2:
+        return name, (f"{where}: ranks disagree on the message: this rank sends {_header(mine)}, rank {peer} "
+                      f"sends {_header(theirs)}")
+    return name, f"{where}: error code {code}"
+
+
 def _header(h: int) -> str:
+    """A message header (message_header in csrc/include/spec_kernels/norm_allreduce.h) in words."""
+    h &= 0xFFFFFFFF
     op = ("all_reduce", "all_reduce_add_rmsnorm", "all_reduce_add_rmsnorm (fp8 out)")
-    kind = op[h >> 28] if (h >> 28) < len(op) else f"op#{h >> 28}"
-    return f"{kind} of {h & ((1 << 28) - 1)} bytes"
+    kind = op[h >> 30] if (h >> 30) < len(op) else f"op#{h >> 30}"
+    return f"{kind} of {(h & 0xFFFFFF) * 16} bytes in {((h >> 24) & 63) + 1} block(s)"

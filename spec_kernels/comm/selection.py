@@ -33,13 +33,17 @@ DEFAULT_TUNING_PATH = Path("~/.cache/spec_kernels/allreduce_tuning.json")
 
 # Fastest first for tiny messages; "torch" (torch.distributed: NCCL on GPUs, gloo on CPUs, then
 # our fused_add_rmsnorm) runs everywhere.
-CUDA_ALGORITHMS = ("oneshot_push", "oneshot_pull", "twoshot")
+CUDA_ALGORITHMS = ("oneshot_push_1block", "oneshot_push", "oneshot_pull", "twoshot")
 ALGORITHMS = CUDA_ALGORITHMS + ("torch",)
 
 # First-principles model of one call (PCIe Gen5 x16, no NVLink; docs/design.md, "What the alternatives do").
 P2P_HOP_US = 3.0  # one cross-GPU signal: write + remote poll sees it (0.5-3 us measured on PCIe)
 P2P_GBPS = 25.0  # P2P ingress per GPU (Gen5 x16 P2P through switches / root complex: 25-50)
 TORCH_BASE_US = 30.0  # NCCL over PCIe for a tiny message at TP 4-8 (measured 13-60 us)
+# Assumed, not measured (a tuning table replaces them): the full grid's blocks each handshake
+# with every peer and the call waits for the slowest; one block sends at a fraction of P2P_GBPS.
+GRID_SYNC_US = 2.0
+ONE_BLOCK_GBPS = 20.0
 
 
 class AlgorithmChoice(str):
@@ -56,15 +60,19 @@ class AlgorithmChoice(str):
 def estimate_us(algorithm: str, world_size: int, nbytes: int) -> float:
     """Modelled time of one call. One-shot moves (W-1) x B into every GPU; two-shot moves
     2 (W-1)/W x B but needs more synchronisation steps; push needs one signal (the data is its own
-    flag), pull two (ready, then read), two-shot three (scatter, reduce, gather)."""
+    flag), pull two (ready, then read), two-shot three (scatter, reduce, gather). The full-grid
+    kernels pay GRID_SYNC_US for their many per-block handshakes; the one-block push does not, but
+    moves its bytes at ONE_BLOCK_GBPS."""
     w = world_size
     per_byte_us = 1e-3 / P2P_GBPS  # us per byte at P2P_GBPS GB/s
+    if algorithm == "oneshot_push_1block":
+        return P2P_HOP_US + (w - 1) * nbytes * 1e-3 / ONE_BLOCK_GBPS
     if algorithm == "oneshot_push":
-        return P2P_HOP_US + (w - 1) * nbytes * per_byte_us
+        return P2P_HOP_US + GRID_SYNC_US + (w - 1) * nbytes * per_byte_us
     if algorithm == "oneshot_pull":
-        return 2 * P2P_HOP_US + (w - 1) * nbytes * per_byte_us
+        return 2 * P2P_HOP_US + GRID_SYNC_US + (w - 1) * nbytes * per_byte_us
     if algorithm == "twoshot":
-        return 3 * P2P_HOP_US + 2 * (w - 1) / w * nbytes * per_byte_us
+        return 3 * P2P_HOP_US + GRID_SYNC_US + 2 * (w - 1) / w * nbytes * per_byte_us
     if algorithm == "torch":
         return TORCH_BASE_US + 2 * (w - 1) / w * nbytes * per_byte_us
     raise ValueError(f"unknown algorithm {algorithm!r}; one of {ALGORITHMS}")

@@ -50,6 +50,7 @@ from ..mla import mla_decode_attention, mla_tree_verify_attention
 from ..mla.api import LATENT_DIMS as MLA_LATENT_DIMS
 from ..mla.api import ROPE_DIMS as MLA_ROPE_DIMS
 from . import masks
+from .hooks import active_fused_allreduce
 
 logger = logging.getLogger(__name__)
 
@@ -209,12 +210,14 @@ class SpecFusedAttnBackend(AttentionBackend):
         return mode.is_decode_or_idle() or mode.is_target_verify()
 
     def init_forward_metadata(self, forward_batch: ForwardBatch):
+        _check_fused_allreduce()
         if self._is_ours(forward_batch.forward_mode):
             self.forward_metadata = self._build_metadata(forward_batch, static=False)
         else:
             self.prefill_backend.init_forward_metadata(forward_batch)
 
     def init_forward_metadata_out_graph(self, forward_batch: ForwardBatch, in_capture: bool = False):
+        _check_fused_allreduce()  # before every replay: the captured allreduces never check
         if self._is_ours(forward_batch.forward_mode):
             # Capture and replay run the same body: refill the static buffers. The metadata
             # object made at capture points at them, and the captured kernels keep reading there.
@@ -435,3 +438,11 @@ class SpecFusedAttnBackend(AttentionBackend):
         extra = dict(sinks=sinks, score_mod=score_mod, q_rope=q_rope, k_rope=k_rope)
         kwargs.update({name: value for name, value in extra.items() if value is not None})
         return self.prefill_backend.forward_extend(q, k, v, layer, forward_batch, save_kv_cache, **kwargs)
+
+
+def _check_fused_allreduce() -> None:
+    """Raise a failure the fused TP allreduce kernels reported (host memory, no device sync), so a
+    step never runs on the NaN a failed allreduce leaves; nothing when the hook is not installed."""
+    hooks = active_fused_allreduce()
+    if hooks is not None:
+        hooks.check_device_errors()

@@ -304,6 +304,14 @@ class FusedAllReduceHooks:
     def communicators(self) -> list:
         return [c for c in self._comms.values() if not isinstance(c, str)]
 
+    def check_device_errors(self) -> None:
+        """Raise the RuntimeError of a failure one of this process's fused-allreduce kernels has
+        reported (rank, algorithm, device call number). Host memory only, no device sync: the
+        attention backend calls it before every forward step, CUDA graph replays included, where
+        no per-call host code of the captured allreduces runs."""
+        for comm in self.communicators():
+            comm.check_device_errors()
+
     def close(self) -> None:
         """Close every communicator (registered with atexit)."""
         for comm in self.communicators():

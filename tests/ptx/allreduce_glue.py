@@ -3,8 +3,8 @@
 `SimRanks` plays the host side of every rank of one communicator on one tools/ptxsim Machine:
 it allocates each rank's IPC buffer once (the kernel file's make_layout, sized from max_tokens /
 hidden as spec_kernels/comm/ipc.py sizes it), initialises it as init_buffer() does (zeros over
-the signals, then the compiled fill_kernel writing the -0.0 sentinel pairs over the push
-slots), and gives every rank the same list of buffer addresses (the peers' "IPC mappings": the
+the signals, then the compiled fill_kernel writing num_blocks into the signals and the -0.0
+sentinel pairs over the push slots), and gives every rank the same list of buffer addresses (the peers' "IPC mappings": the
 simulated GPUs share one global memory). `SimRanks.call()` is one collective call: per rank it
 fills the kernel's `Params` struct exactly as launch() does from the `Call` that csrc/ops.cpp
 builds, picks the kernel instance launch_typed() picks (element type, fp8 out, ITEMS from
@@ -36,12 +36,13 @@ KERNEL_FILE = os.path.join(REPO, "csrc", "allreduce", "fused_allreduce.cu")
 
 # csrc/include/spec_kernels/norm_allreduce.h and csrc/allreduce/fused_allreduce.cu
 K_MAX_RANKS = 8
-K_MAX_BLOCKS = 128
+K_MAX_BLOCKS = 64
 K_PUSH_SLOTS = 3
 K_ALIGN = 256
-ALGORITHMS = {"oneshot_push": 0, "oneshot_pull": 1, "twoshot": 2}
-_KERNEL = {0: "19oneshot_push_kernel", 1: "19oneshot_pull_kernel", 2: "14twoshot_kernel"}
-K_OK, K_TIMEOUT, K_SIZE_MISMATCH = 0, 1, 2
+ALGORITHMS = {"oneshot_push": 0, "oneshot_pull": 1, "twoshot": 2, "oneshot_push_1block": 3}
+_KERNEL = {0: "19oneshot_push_kernel", 1: "19oneshot_pull_kernel", 2: "14twoshot_kernel", 3: "19oneshot_push_kernel"}
+PUSH_ALGORITHMS = (0, 3)
+K_OK, K_TIMEOUT, K_SIZE_MISMATCH, K_BLOCKS_MISMATCH = 0, 1, 2, 3
 SENTINEL_PAIR = 0x80008000
 PUSH_CAPACITY = 1 << 20  # spec_kernels/comm/ipc.py
 
@@ -74,11 +75,18 @@ class ErrorWord(ctypes.Structure):
 
 
 # struct Signals: flags[2][2][kMaxBlocks][kMaxRanks], push_headers[3][kMaxBlocks][kMaxRanks] (u64),
-# BlockState state[kMaxBlocks] (4 x u32), ErrorWord first_error.
-SIGNALS_BYTES = (2 * 2 * K_MAX_BLOCKS * K_MAX_RANKS + K_PUSH_SLOTS * K_MAX_BLOCKS * K_MAX_RANKS) * 8 \
-    + K_MAX_BLOCKS * 16 + ctypes.sizeof(ErrorWord)
+# BlockState state[kMaxBlocks] (2 x u32), ErrorWord first_error, uint32 num_blocks (size rounded
+# up to the u64 alignment).
 STATE_OFFSET = (2 * 2 * K_MAX_BLOCKS * K_MAX_RANKS + K_PUSH_SLOTS * K_MAX_BLOCKS * K_MAX_RANKS) * 8
-FIRST_ERROR_OFFSET = STATE_OFFSET + K_MAX_BLOCKS * 16
+STATE_WORDS = 2
+FIRST_ERROR_OFFSET = STATE_OFFSET + K_MAX_BLOCKS * STATE_WORDS * 4
+NUM_BLOCKS_OFFSET = FIRST_ERROR_OFFSET + ctypes.sizeof(ErrorWord)
+SIGNALS_BYTES = (NUM_BLOCKS_OFFSET + 4 + 7) // 8 * 8
+
+
+def message_header(op: int, blocks: int, nbytes: int) -> int:
+    """message_header() of norm_allreduce.h."""
+    return op << 30 | (blocks - 1) << 24 | nbytes >> 4
 
 
 def _align_up(v: int) -> int:
@@ -193,26 +201,29 @@ class SimRanks:
         return self.mod.entry(names[0])
 
     def _init_buffers(self):
-        """init_buffer(): memset 0 over [0, push[0]) (the buffer starts zeroed here), then fill_kernel
-        with the sentinel over the push slots (a smaller grid than the host's <<<256, 256>>>: the
-        kernel's loop is grid-strided, so the result is the same)."""
+        """init_buffer(): memset 0 over [0, push[0]) (the buffer starts zeroed here), fill_kernel
+        writing num_blocks into the signals, then fill_kernel with the sentinel over the push slots
+        (a smaller grid than the host's <<<256, 256>>>: the kernel's loop is grid-strided, so the
+        result is the same)."""
         names = [n for n in self.mod.entries if "11fill_kernelEPjmj" in n]
         e = self.mod.entry(names[0])
         words = (self.layout.total - self.layout.push[0]) // 4
-        launches = [Launch(e, (4,), (256,), pack_params(e, [b + self.layout.push[0], words, SENTINEL_PAIR]),
-                           name=f"fill_kernel rank {r}", gpu=r) for r, b in enumerate(self.bases)]
+        launches = [Launch(e, (1,), (32,), pack_params(e, [b + NUM_BLOCKS_OFFSET, 1, self.num_blocks]),
+                           name=f"fill_kernel num_blocks rank {r}", gpu=r) for r, b in enumerate(self.bases)]
+        launches += [Launch(e, (4,), (256,), pack_params(e, [b + self.layout.push[0], words, SENTINEL_PAIR]),
+                            name=f"fill_kernel rank {r}", gpu=r) for r, b in enumerate(self.bases)]
         self.m.run(*launches, module=self.mod)
 
     # ---------------------------------------------------------------- inspection
     def block_state(self, rank: int):
-        """BlockState per block of `rank`: (seq, push_slot, last_push_rows) rows."""
-        a = self.m.download(self.bases[rank] + STATE_OFFSET, np.uint32, (K_MAX_BLOCKS, 4))
-        return a[: self.num_blocks, :3].copy()
+        """BlockState per block of `rank`: (seq, push_slot) rows."""
+        a = self.m.download(self.bases[rank] + STATE_OFFSET, np.uint32, (K_MAX_BLOCKS, STATE_WORDS))
+        return a[: self.num_blocks].copy()
 
     def set_call_counter(self, seq: int) -> None:
         """Set every block's device call counter on every rank (as after `seq` calls)."""
         for base in self.bases:
-            state = self.m.download(base + STATE_OFFSET, np.uint32, (K_MAX_BLOCKS, 4))
+            state = self.m.download(base + STATE_OFFSET, np.uint32, (K_MAX_BLOCKS, STATE_WORDS))
             state[:, 0] = seq
             self.m.write(base + STATE_OFFSET, state)
 
@@ -225,7 +236,7 @@ class SimRanks:
         return self.m.download(self.bases[rank] + self.layout.push[slot], np.uint32, (n // 4,))
 
     # ---------------------------------------------------------------- one call
-    def params(self, algorithm: int, rank: int, inp: RankInput, ptrs: dict, timeout_ns: int) -> bytes:
+    def params(self, algorithm: int, rank: int, inp: RankInput, ptrs: dict, timeout_ns: int, blocks: int) -> bytes:
         """What launch() makes of the Call csrc/ops.cpp fills for this rank; refuses what launch()
         and ops.cpp refuse (so a test cannot feed the kernel a call the host would not make)."""
         x = inp.x
@@ -235,7 +246,7 @@ class SimRanks:
         nbytes = rows * hidden * x.element_size()
         if hidden % 8 or hidden < 8 or hidden > 16384:
             raise ValueError(f"hidden must be a multiple of 8 in [8, 16384], got {hidden}")
-        if nbytes > self.max_bytes or (algorithm == 0 and nbytes > self.push_bytes):
+        if nbytes > self.max_bytes or (algorithm in PUSH_ALGORITHMS and nbytes > self.push_bytes):
             raise ValueError(f"{nbytes} bytes do not fit the buffers")
         p = Params()
         for r in range(K_MAX_RANKS):
@@ -248,16 +259,18 @@ class SimRanks:
         p.host_error = self.errors[rank]
         p.rows, p.hidden, p.world, p.rank, p.algorithm = rows, hidden, self.world, rank, algorithm
         op = (2 if fp8 else 1) if fused else 0
-        p.header = (op << 28) | nbytes
+        p.header = message_header(op, blocks, nbytes)
         p.fused = fused
         p.eps = inp.eps
         p.inv_scale = float(np.float32(1.0 / inp.out_scale)) if fp8 else 1.0
         p.timeout_ns = timeout_ns
         return bytes(p)
 
-    def call(self, algorithm, inputs: Sequence[Optional[RankInput]], *, timeout_ns: Optional[int] = None):
+    def call(self, algorithm, inputs: Sequence[Optional[RankInput]], *, timeout_ns: Optional[int] = None,
+             launch_blocks: Optional[Sequence[int]] = None):
         """One collective call. inputs[r] is rank r's arguments, or None for a rank that does not
-        take part (it never arrives). Returns a list (per rank) of RankResult or None."""
+        take part (it never arrives); launch_blocks[r] replaces rank r's grid (launch() launches
+        num_blocks, or 1 for oneshot_push_1block). Returns a list (per rank) of RankResult or None."""
         algo = ALGORITHMS[algorithm] if isinstance(algorithm, str) else int(algorithm)
         if len(inputs) != self.world:
             raise ValueError(f"{len(inputs)} inputs for {self.world} ranks")
@@ -289,8 +302,11 @@ class SimRanks:
                     m.upload(np.full(x.numel(), _POISON16, np.uint16), f"residual_out rank{rank}")
             threads, items = row_launch(x.shape[1] // 8, 2)
             e = self.entry(algo, fp8, items)
-            raw = self.params(algo, rank, inp, ptrs, timeout_ns)
-            launches.append(Launch(e, (self.num_blocks,), (threads,), pack_params(e, [raw]),
+            blocks = 1 if algo == ALGORITHMS["oneshot_push_1block"] else self.num_blocks
+            if launch_blocks is not None:
+                blocks = launch_blocks[rank]
+            raw = self.params(algo, rank, inp, ptrs, timeout_ns, blocks)
+            launches.append(Launch(e, (blocks,), (threads,), pack_params(e, [raw]),
                                    name=f"{algorithm} rank {rank}", gpu=rank))
             keep.append((rank, x.shape, out_dtype, fused, ptrs))
         stats = self.m.run(*launches, module=self.mod)

@@ -37,8 +37,9 @@ import spec_kernels
 
 from tools.ptxsim.memory import SimError
 
-from allreduce_glue import (ALGORITHMS, K_SIZE_MISMATCH, K_TIMEOUT, SENTINEL_PAIR, ErrorWord, Params, RankInput,
-                             SimRanks, check_params_match_ptx)
+from allreduce_glue import (ALGORITHMS, K_BLOCKS_MISMATCH, K_MAX_BLOCKS, K_SIZE_MISMATCH, K_TIMEOUT, PUSH_ALGORITHMS,
+                             SENTINEL_PAIR, ErrorWord, Params, RankInput, SimRanks, check_params_match_ptx,
+                             message_header)
 
 TOL = {torch.float16: dict(atol=2e-3, rtol=1e-3), torch.bfloat16: dict(atol=1.6e-2, rtol=8e-3)}
 FP8_TOL = dict(atol=2e-3, rtol=0.0625)  # one e4m3 step, after dequantising
@@ -50,6 +51,21 @@ NO_ERROR = {name: 0 for name, _ in ErrorWord._fields_}
 
 def _bits(t):
     return t.view(torch.int16) if t.dtype in (torch.float16, torch.bfloat16) else t.view(torch.uint8)
+
+
+# The NaN a failed or refused call writes (nan_of<T> in the kernel file); the glue's initial fill
+# 0x7E7E is another NaN in fp16, so the bits are compared, not isnan.
+_NAN_BITS = {torch.float16: 0x7E00, torch.bfloat16: 0x7FC0, torch.float8_e4m3fn: 0x7F}
+
+
+def _poisoned(t):
+    """Every element the kernel's NaN: what a failed or refused call leaves in its outputs."""
+    return bool((_bits(t) == _NAN_BITS[t.dtype]).all())
+
+
+def _grid(algorithm, num_blocks):
+    """The grid launch() launches for `algorithm` on buffers created for num_blocks."""
+    return 1 if algorithm == "oneshot_push_1block" else num_blocks
 
 
 def _make(world, rows, hidden, dtype, mode, gen):
@@ -127,25 +143,29 @@ def test_consecutive_calls_match_reference(algorithm, world, dtype):
         for rank in range(world):
             state = sim.block_state(rank)
             assert (state[:, 0] == n).all(), f"rank {rank}: device call counter {state[:, 0]} after call {n}"
-            if algorithm == "oneshot_push":
-                assert (state[:, 1] == n % 3).all() and (state[:, 2] == rows).all()
-        if algorithm == "oneshot_push" and n >= 2:
-            _check_push_rearmed(sim, (n - 1) % 3)
+            if ALGORITHMS[algorithm] in PUSH_ALGORITHMS:
+                assert (state[:, 1] == n % 3).all()
+        if ALGORITHMS[algorithm] in PUSH_ALGORITHMS:
+            _check_push_rearmed(sim, n % 3)
 
 
 def test_mixed_algorithms_share_counters():
     """The algorithms share the device call counter (flag / staging parity); only push calls move
-    the push slot. Empty calls (0 rows) still count."""
+    the push slot. Empty calls (0 rows) still count. A one-block push call advances the counters of
+    every block, so the full-grid calls after it pair up."""
     dtype, world = torch.float16, 2
     gen = torch.Generator().manual_seed(7)
     sim = SimRanks(world, 64, dtype, max_tokens=6, num_blocks=2)
     seq = [("oneshot_push", 5), ("oneshot_pull", 3), ("oneshot_push", 0), ("twoshot", 6), ("oneshot_push", 2),
-           ("oneshot_push", 6), ("twoshot", 0), ("oneshot_pull", 4), ("oneshot_push", 1)]
+           ("oneshot_push_1block", 1), ("oneshot_push", 6), ("oneshot_push_1block", 3), ("twoshot", 0),
+           ("oneshot_push_1block", 0), ("oneshot_pull", 4), ("oneshot_push", 1)]
     pushes = 0
     for n, (algorithm, rows) in enumerate(seq, start=1):
         inputs = _make(world, rows, 64, dtype, "sum", gen)
         _check(sim.call(algorithm, inputs), inputs, dtype)
-        pushes += algorithm == "oneshot_push"
+        pushes += ALGORITHMS[algorithm] in PUSH_ALGORITHMS
+        if ALGORITHMS[algorithm] in PUSH_ALGORITHMS:
+            _check_push_rearmed(sim, pushes % 3)
         for rank in range(world):
             state = sim.block_state(rank)
             assert (state[:, 0] == n).all() and (state[:, 1] == pushes % 3).all()
@@ -189,8 +209,9 @@ def test_in_place(algorithm):
 
 
 def _assert_failed_and_inert(sim, algorithm, inputs, words, gen):
-    """A call after a failure does nothing on the failed ranks: no output, no counter change, the
-    first error word kept."""
+    """A call after a failure does nothing on the failed ranks but poison its output (every element
+    NaN, so a graph replay nobody checks cannot compute on stale data): no counter change, the first
+    error word kept."""
     before = [sim.block_state(r) for r in range(sim.world)]
     again = [None if inp is None else RankInput(torch.randn(inp.x.shape, generator=gen).to(inp.x.dtype))
              for inp in inputs]
@@ -199,7 +220,7 @@ def _assert_failed_and_inert(sim, algorithm, inputs, words, gen):
         if res is None:
             continue
         assert res.error == words[rank], f"rank {rank}: the error word changed to {res.error}"
-        assert (_bits(res.out) == 0x7E7E).all(), f"rank {rank}: a call after a failure wrote its output"
+        assert _poisoned(res.out), f"rank {rank}: a call after a failure left its output unpoisoned"
         assert (sim.block_state(rank) == before[rank]).all()
 
 
@@ -211,7 +232,7 @@ def test_size_mismatch_is_reported_on_every_rank(algorithm):
     inputs = [RankInput(torch.randn(5, hidden, generator=gen).to(dtype)),
               RankInput(torch.randn(4, hidden, generator=gen).to(dtype))]
     results = sim.call(algorithm, inputs)
-    headers = [5 * hidden * 2, 4 * hidden * 2]
+    headers = [message_header(0, _grid(algorithm, 2), rows * hidden * 2) for rows in (5, 4)]
     words = []
     for rank, res in enumerate(results):
         e = res.error
@@ -219,6 +240,7 @@ def test_size_mismatch_is_reported_on_every_rank(algorithm):
             (K_SIZE_MISMATCH, 1, rank, 1 - rank, ALGORITHMS[algorithm]), e
         assert (e["mine"], e["theirs"]) == (headers[rank], headers[1 - rank]), e
         assert 0 <= e["block"] < 2
+        assert _poisoned(res.out), f"rank {rank}: the refused call left its output unpoisoned"
         words.append(e)
     _assert_failed_and_inert(sim, algorithm, [RankInput(torch.zeros(5, hidden, dtype=dtype))] * 2, words, gen)
 
@@ -233,7 +255,7 @@ def test_operation_mismatch_on_four_ranks():
     fused = _make(world, rows, hidden, dtype, "fused", gen)[2]
     inputs[2] = fused
     results = sim.call("oneshot_pull", inputs)
-    plain, op1 = rows * hidden * 2, (1 << 28) | rows * hidden * 2
+    plain, op1 = message_header(0, 2, rows * hidden * 2), message_header(1, 2, rows * hidden * 2)
     for rank, res in enumerate(results):
         e = res.error
         assert e["code"] == K_SIZE_MISMATCH and e["rank"] == rank and e["seq"] == 1, e
@@ -244,7 +266,8 @@ def test_operation_mismatch_on_four_ranks():
 
 
 @pytest.mark.parametrize("world,algorithm,timeout_ns", [(2, "oneshot_push", 1), (2, "oneshot_pull", 1),
-                                                        (2, "twoshot", 1), (4, "twoshot", 3000)])
+                                                        (2, "twoshot", 1), (4, "twoshot", 3000),
+                                                        (2, "oneshot_push_1block", 1)])
 def test_missing_rank_times_out(world, algorithm, timeout_ns):
     """The last rank never arrives: the others give up after timeout_ns of %globaltimer (the
     interpreter's clock: 1 ns per warp-instruction) and report it instead of hanging."""
@@ -258,8 +281,9 @@ def test_missing_rank_times_out(world, algorithm, timeout_ns):
     for rank, res in enumerate(results[:-1]):
         e = res.error
         assert (e["code"], e["seq"], e["rank"], e["peer"], e["algorithm"], e["mine"], e["theirs"]) == \
-            (K_TIMEOUT, 1, rank, world - 1, ALGORITHMS[algorithm], 3 * hidden * 2, 0), e
-        assert (_bits(res.out) == 0x7E7E).all(), f"rank {rank} wrote output without its peer"
+            (K_TIMEOUT, 1, rank, world - 1, ALGORITHMS[algorithm], message_header(0, _grid(algorithm, 2), 3 * hidden * 2),
+             0), e
+        assert _poisoned(res.out), f"rank {rank} wrote output without its peer, or did not poison it"
         words[rank] = e
     _assert_failed_and_inert(sim, algorithm, inputs, words, gen)
     # The missing rank was only late: it finds every peer's flags / data of call 1 still there.
@@ -269,22 +293,22 @@ def test_missing_rank_times_out(world, algorithm, timeout_ns):
     inputs[-1] = RankInput(inputs[-2].x.clone())
     if algorithm == "twoshot":
         assert late.error["code"] == K_TIMEOUT and late.error["peer"] != world - 1, late.error
-        assert (_bits(late.out) == 0x7E7E).all()
+        assert _poisoned(late.out)
     else:
         _check([late], inputs, dtype)
 
 
 
 
-# struct Signals: flags[2][2][128][8] (u64) come first, then push_headers[3][128][8].
-_PUSH_HEADERS = 2 * 2 * 128 * 8 * 8
+# struct Signals: flags[2][2][kMaxBlocks][8] (u64) come first, then push_headers[3][kMaxBlocks][8].
+_PUSH_HEADERS = 2 * 2 * K_MAX_BLOCKS * 8 * 8
 
 
 def _send_push_header(sim, to, sender, seq, nbytes, slot, block=0):
     """Store `sender`'s push header word of call `seq` into rank `to`'s buffer (what the sender's
     first store of a push call does)."""
-    word = torch.tensor([(seq << 32) | nbytes], dtype=torch.int64)
-    sim.m.write(sim.bases[to] + _PUSH_HEADERS + ((slot * 128 + block) * 8 + sender) * 8, word.numpy())
+    word = torch.tensor([(seq << 32) | message_header(0, sim.num_blocks, nbytes)], dtype=torch.int64)
+    sim.m.write(sim.bases[to] + _PUSH_HEADERS + ((slot * K_MAX_BLOCKS + block) * 8 + sender) * 8, word.numpy())
 
 
 def test_push_data_poll_times_out():
@@ -297,13 +321,14 @@ def test_push_data_poll_times_out():
     res = sim.call("oneshot_push", [RankInput(torch.randn(rows, hidden, generator=gen).to(dtype)), None])[0]
     e = res.error
     assert (e["code"], e["seq"], e["rank"], e["peer"], e["algorithm"]) == (K_TIMEOUT, 1, 0, 1, 0), e
-    assert (_bits(res.out) == 0x7E7E).all()
+    assert _poisoned(res.out)
     assert (sim.block_state(0)[:, 0] == 0).all()  # the failed call is not counted
 
 
 def test_push_rearm_after_hidden_change():
-    """The push slot of call 1 (3 rows of hidden 264) is re-armed by call 2 (hidden 72) over only
-    3 x 144 bytes per sender, so bytes 432..1584 keep call 1's data. Call 4 uses that slot again
+    """The push slot of call 1 (3 rows of hidden 264) must be re-armed over call 1's row size (a
+    re-arm at call 2's size, hidden 72, as an earlier version did, covered only 3 x 144 bytes per
+    sender and left bytes 432..1584 with call 1's data). Call 4 uses that slot again
     with call 1's shape. Rank 1 has sent its header and its row 0 so far (done here by hand: a
     state the hardware reaches whenever rank 1's later stores are still in flight); rank 0 must
     not take rows 1-2 of call 1 as rank 1's rows of call 4: it has to keep polling (and here,
@@ -324,7 +349,7 @@ def test_push_rearm_after_hidden_change():
     res = sim.call("oneshot_push", [RankInput(x0), None])[0]
     assert res.error["code"] == K_TIMEOUT and res.error["peer"] == 1, \
         f"rank 0 finished call 4 without rank 1's rows 1-2 (error word {res.error})"
-    assert (_bits(res.out[1:]) == 0x7E7E).all()  # row 0 (complete from both ranks) may be done
+    assert _poisoned(res.out)  # the block failed: every row it owns is NaN
 
 
 def test_push_rearm_stays_in_its_slot():
@@ -334,3 +359,43 @@ def test_push_rearm_stays_in_its_slot():
     for rows, hidden in ((16, 64), (1, 1024)):
         inputs = _make(world, rows, hidden, dtype, "sum", gen)
         _check(sim.call("oneshot_push", inputs), inputs, dtype)
+
+
+def test_grid_other_than_creation_is_refused():
+    """The buffers were created for 2 blocks: a call launched with 1 block on rank 1 is refused there
+    (kBlocksMismatch, the grid in `theirs`, output NaN) before it touches a flag; rank 0 waits for
+    it and times out. Every later call on both ranks is refused and poisoned too."""
+    dtype, world, hidden = torch.float16, 2, 64
+    gen = torch.Generator().manual_seed(101)
+    sim = SimRanks(world, hidden, dtype, max_tokens=4, num_blocks=2, timeout_ns=1)
+    inputs = _make(world, 3, hidden, dtype, "sum", gen)
+    _check(sim.call("oneshot_pull", inputs), inputs, dtype)
+    inputs = _make(world, 3, hidden, dtype, "sum", gen)
+    results = sim.call("oneshot_pull", inputs, launch_blocks=[2, 1])
+    e0, e1 = results[0].error, results[1].error
+    assert (e1["code"], e1["rank"], e1["peer"], e1["theirs"]) == (K_BLOCKS_MISMATCH, 1, -1, 1), e1
+    assert (e0["code"], e0["peer"]) == (K_TIMEOUT, 1), e0
+    assert _poisoned(results[0].out) and _poisoned(results[1].out)
+    _assert_failed_and_inert(sim, "oneshot_pull", inputs, [e0, e1], gen)
+
+
+@pytest.mark.parametrize("algorithm", ["oneshot_push", "twoshot"])
+def test_replays_after_an_injected_timeout_are_poisoned(algorithm):
+    """A CUDA-graph replay sequence: the same fused call replayed on the same buffers. In replay 3
+    rank 1 does not arrive: rank 0 times out there; replays 4-5 on rank 0 (nobody on the host has
+    looked at the error word yet) must not leave the previous replay's values in out and
+    residual_out: both are NaN, the counters stand still and the error word names call 3."""
+    dtype, world, hidden, rows = torch.bfloat16, 2, 64, 3
+    gen = torch.Generator().manual_seed(111)
+    sim = SimRanks(world, hidden, dtype, max_tokens=4, num_blocks=2, timeout_ns=1)
+    inputs = _make(world, rows, hidden, dtype, "fused", gen)
+    for _ in range(2):
+        _check(sim.call(algorithm, inputs), inputs, dtype)
+    failed = sim.call(algorithm, [inputs[0], None])[0]
+    word = failed.error
+    assert (word["code"], word["seq"], word["peer"], word["algorithm"]) == (K_TIMEOUT, 3, 1, ALGORITHMS[algorithm])
+    for replay in (4, 5):
+        res = sim.call(algorithm, [inputs[0], None])[0]
+        assert res.error == word, f"replay {replay}: the error word changed to {res.error}"
+        assert _poisoned(res.out) and _poisoned(res.residual_out), f"replay {replay}: outputs not poisoned"
+        assert (sim.block_state(0)[:, 0] == 2).all()

@@ -2,7 +2,8 @@
 PTX tests fail.
 
 The mutants are those of the hand emulator (tools/kernel_emulators/check.py MUTANTS["allreduce"]),
-each re-expressed as a one-expression edit of the .cu (the text must occur exactly once, so a
+plus a few for protocol parts the emulator does not model (poisoned outputs, the grid check), each
+expressed as a one-expression edit of the .cu (the text must occur exactly once, so a
 refactor that moves it fails here loudly instead of testing nothing). The edited source is
 compiled to sm_120a PTX and runs on 2 simulated GPUs sharing their IPC buffers
 (tests/ptx/allreduce_glue.py). Each mutant names the check that must catch it: a wrong sum
@@ -38,7 +39,7 @@ import torch
 from tools.ptxsim import build
 from tools.ptxsim.memory import SimError
 
-from allreduce_glue import KERNEL_FILE, K_TIMEOUT, REPO, RankInput, SimRanks
+from allreduce_glue import K_BLOCKS_MISMATCH, K_MAX_BLOCKS, KERNEL_FILE, K_TIMEOUT, REPO, RankInput, SimRanks, message_header
 import test_allreduce_ptx as ar
 
 pytestmark = pytest.mark.skipif(build.find_nvcc() is None,
@@ -51,8 +52,8 @@ HIDDEN = 64
 # ---------------------------------------------------------------------------------- the cases
 # Each case takes the PTX to run and raises AssertionError (or a SimError) when the kernel is wrong.
 
-# struct Signals (fused_allreduce.cu): flags[2][2][128][8] (u64), then push_headers[3][128][8].
-_FLAGS, _PUSH_HEADERS = 0, 2 * 2 * 128 * 8 * 8
+# struct Signals (fused_allreduce.cu): flags[2][2][kMaxBlocks][8] (u64), then push_headers[3][kMaxBlocks][8].
+_FLAGS, _PUSH_HEADERS = 0, 2 * 2 * K_MAX_BLOCKS * 8 * 8
 
 
 def _write_u64(sim, rank, offset, value):
@@ -81,7 +82,8 @@ def case_push_peer_late(ptx, calls_before=3, torn=False):
         ar._check(sim.call("oneshot_push", inputs), inputs, F16)
     seq, rows = calls_before + 1, 1 if torn else 2
     for slot in range(3):
-        _write_u64(sim, 0, _PUSH_HEADERS + ((slot * 128 + 0) * 8 + 1) * 8, (seq << 32) | rows * hidden * 2)
+        _write_u64(sim, 0, _PUSH_HEADERS + ((slot * K_MAX_BLOCKS + 0) * 8 + 1) * 8,
+                   (seq << 32) | message_header(0, 1, rows * hidden * 2))
     if torn:
         x1 = torch.randn(rows, hidden, generator=gen).to(F16)
         slot = seq % 3
@@ -90,6 +92,30 @@ def case_push_peer_late(ptx, calls_before=3, torn=False):
     res = sim.call("oneshot_push", [RankInput(x0), None])[0]
     assert (res.error["code"], res.error["peer"]) == (K_TIMEOUT, 1), \
         f"error word: rank 0 finished call {seq} without rank 1's rows (error word {res.error})"
+
+
+def case_push_rank_ahead(ptx):
+    """One-shot push, 2 ranks, 1 block. Call 1 runs on both; then rank 1 runs ahead: it has sent its
+    header and rows of calls 2 and 3 (written here by hand into the slots it uses, 2 and 0) while
+    rank 0 has not started call 2. Rank 0 then runs calls 2 and 3 and must sum each with rank 1's
+    rows of that call: a push slot reused by consecutive calls would make it read the wrong call's
+    rows, or wait for a header that is in another slot."""
+    gen = torch.Generator().manual_seed(19)
+    rows, hidden = 2, HIDDEN
+    sim = SimRanks(2, hidden, F16, max_tokens=rows, num_blocks=1, timeout_ns=1, ptx=ptx)
+    inputs = ar._make(2, rows, hidden, F16, "sum", gen)
+    ar._check(sim.call("oneshot_push", inputs), inputs, F16)
+    ahead = {seq: [torch.randn(rows, hidden, generator=gen).to(F16) for _ in range(2)] for seq in (2, 3)}
+    for seq, (_, x1) in ahead.items():
+        slot = seq % 3
+        sim.m.write(sim.bases[0] + sim.layout.push[slot] + 1 * sim.push_stride, _push_rows(x1))
+        _write_u64(sim, 0, _PUSH_HEADERS + ((slot * K_MAX_BLOCKS + 0) * 8 + 1) * 8,
+                   (seq << 32) | message_header(0, 1, rows * hidden * 2))
+    for seq, (x0, x1) in ahead.items():
+        res = sim.call("oneshot_push", [RankInput(x0), None])[0]
+        assert res.error["code"] == 0, f"error word: rank 0's call {seq} reported {res.error}"
+        summed = (x0.float() + x1.float()).to(F16)
+        assert torch.equal(ar._bits(res.out), ar._bits(summed)), f"mismatch: rank 0's call {seq}"
 
 
 def case_twoshot(ptx):
@@ -104,22 +130,28 @@ def case_twoshot(ptx):
 
 def _flag_offset(seq, round_, block, sender):
     """flags[seq & 1][round][block][sender] in struct Signals."""
-    return _FLAGS + ((((seq & 1) * 2 + round_) * 128 + block) * 8 + sender) * 8
+    return _FLAGS + ((((seq & 1) * 2 + round_) * K_MAX_BLOCKS + block) * 8 + sender) * 8
 
 
 def case_pull_block_late(ptx):
-    """One-shot pull, 2 ranks, 2 blocks, 1 row (block 0's). Rank 1's block 1, with no row to copy,
-    has raised its flag (written here by hand); its block 0 is late: it has neither copied row 0
-    nor raised its flag. Rank 0's block 1 must leave row 0 alone, and its block 0, as rank 1's
-    block 0 never comes, reports a timeout: row 0 of out is never written."""
+    """One-shot pull, 2 ranks, 2 blocks, 2 rows (row 0 block 0's, row 1 block 1's). Rank 1's block 1
+    has copied row 1 into its staging buffer and raised its flag (written here by hand); its block 0
+    is late: it has neither copied row 0 nor raised its flag. Rank 0's block 1 must sum row 1 (and
+    leave row 0 alone); its block 0, as rank 1's block 0 never comes, reports a timeout and poisons
+    row 0."""
     gen = torch.Generator().manual_seed(9)
-    rows = 1
+    rows = 2
     sim = SimRanks(2, HIDDEN, F16, max_tokens=rows, num_blocks=2, timeout_ns=1, ptx=ptx)
-    _write_u64(sim, 0, _flag_offset(1, 0, 1, 1), (1 << 32) | rows * HIDDEN * 2)
-    res = sim.call("oneshot_pull", [RankInput(torch.randn(rows, HIDDEN, generator=gen).to(F16)), None])[0]
-    assert (ar._bits(res.out) == 0x7E7E).all(), "mismatch: rank 0 wrote row 0 without rank 1's copy of it"
+    x = [torch.randn(rows, HIDDEN, generator=gen).to(F16) for _ in range(2)]
+    staging = sim.layout.staging[1]  # call 1: staging[seq & 1]
+    sim.m.write(sim.bases[1] + staging + HIDDEN * 2, x[1][1].contiguous().view(torch.int16).numpy())
+    _write_u64(sim, 0, _flag_offset(1, 0, 1, 1), (1 << 32) | message_header(0, 2, rows * HIDDEN * 2))
+    res = sim.call("oneshot_pull", [RankInput(x[0]), None])[0]
+    summed = (x[0][1].float() + x[1][1].float()).to(F16)
+    assert torch.equal(ar._bits(res.out[1]), ar._bits(summed)), "mismatch: row 1 is not the sum of its copies"
     assert (res.error["code"], res.error["peer"], res.error["block"]) == (K_TIMEOUT, 1, 0), \
         f"error word: {res.error}"
+    assert ar._poisoned(res.out[0]), "mismatch: row 0 of the failed block is not poisoned"
 
 
 def case_pull_rank_ahead(ptx):
@@ -132,7 +164,7 @@ def case_pull_rank_ahead(ptx):
     rows = 2
     sim = SimRanks(2, HIDDEN, F16, max_tokens=rows, num_blocks=1, timeout_ns=1, ptx=ptx)
     call1 = ar._make(2, rows, HIDDEN, F16, "sum", gen)
-    header = rows * HIDDEN * 2
+    header = message_header(0, 1, rows * HIDDEN * 2)
     for staging in sim.layout.staging:
         sim.m.write(sim.bases[1] + staging, call1[1].x.contiguous().view(torch.int16).numpy())
     _write_u64(sim, 0, _flag_offset(1, 0, 0, 1), (1 << 32) | header)
@@ -177,7 +209,22 @@ def case_counter_wrap(ptx):
         assert (sim.block_state(rank)[:, 0] == 2).all(), f"rank {rank}: call counter {sim.block_state(rank)[:, 0]}"
 
 
+def case_grid_change(ptx):
+    """One-shot pull, 2 ranks, buffers made for 2 blocks; a call launched with 1 block on both ranks
+    must be refused on both (kBlocksMismatch) with NaN outputs: with one block, block 0 would take
+    over block 1's rows and pair with state block 1 left on the peers."""
+    gen = torch.Generator().manual_seed(17)
+    sim = SimRanks(2, HIDDEN, F16, max_tokens=3, num_blocks=2, ptx=ptx)
+    inputs = ar._make(2, 3, HIDDEN, F16, "sum", gen)
+    results = sim.call("oneshot_pull", inputs, launch_blocks=[1, 1])
+    for rank, res in enumerate(results):
+        assert res.error["code"] == K_BLOCKS_MISMATCH, f"error word: rank {rank} ran with the wrong grid: {res.error}"
+        assert ar._poisoned(res.out), f"mismatch: rank {rank}'s refused call is not poisoned"
+
+
 CASES = {
+    "grid_change": case_grid_change,
+    "push_rank_ahead": case_push_rank_ahead,
     "push_peer_late": case_push_peer_late,
     "push_torn_vector": functools.partial(case_push_peer_late, calls_before=0, torn=True),
     "twoshot": case_twoshot,
@@ -193,17 +240,27 @@ CASES = {
 MUTANTS = {
     "push_slot_not_advanced": (
         "push: BlockState.push_slot keeps the previous slot (rotation stuck)",
-        "    st->push_slot = slot;", "    st->push_slot = prev;", "push_peer_late", "error word"),
+        "    st[b].push_slot = static_cast<uint32_t>(slot);", "    st[b].push_slot = st[b].push_slot;",
+        "push_rank_ahead", "error word"),
     "push_no_rearm": (
-        "push: last_push_rows recorded as 0, so the used slot is never re-armed with the sentinel",
-        "    st->last_push_rows = p.rows;", "    st->last_push_rows = 0;", "push_peer_late", "error word"),
+        "push: the used slot is never re-armed with the sentinel",
+        "  for (int row = blockIdx.x; row < p.rows; row += gridDim.x)\n    for (int q = 0; q < p.world; ++q) {",
+        "  for (int row = blockIdx.x; row < 0; row += gridDim.x)\n    for (int q = 0; q < p.world; ++q) {",
+        "push_peer_late", "error word"),
+    "refused_call_not_poisoned": (
+        "a failed or refused call leaves out unwritten (stale data downstream) instead of NaN",
+        "    fill_row_nan(static_cast<OutT*>(p.out) + start, p.hidden);\n", "", "after_failure", "inert"),
+    "grid_unchecked": (
+        "a launch with another grid than the buffers were made for runs",
+        "  if (gridDim.x == want) return true;", "  if (gridDim.x == want || true) return true;",
+        "grid_change", "error word"),
     "sentinel_first_word_only": (
         "push: has_sentinel checks only the first 32-bit word of the 16-byte vector",
         "  for (int k = 0; k < 4; ++k)\n    if ((w[k]", "  for (int k = 0; k < 1; ++k)\n    if ((w[k]",
         "push_torn_vector", "error word"),
     "no_allgather_wait": (
         "two-shot: no second flag round before reading the peers' gather buffers",
-        "  if (!block_barrier(p, seq, 1)) return;\n", "", "twoshot", "mismatch"),
+        "  if (!block_barrier(p, seq, 1)) return poison_outputs<T, OutT>(p);\n", "", "twoshot", "mismatch"),
     "single_staging": (
         "one-shot pull: one staging buffer for every call (staging[0] instead of [seq & 1])",
         "const size_t staging = p.layout.staging[seq & 1];", "const size_t staging = p.layout.staging[0];",
@@ -232,6 +289,14 @@ EMULATOR_ONLY = {
         "the interpreter's memory is sequentially consistent: every store is visible to every GPU in "
         "program order, so the flag can never be seen before the staged rows it publishes; fences are "
         "only counted"),
+    "rearm_gpu_fence": (
+        "push: the re-arm is fenced at GPU scope only (__threadfence), not at system scope",
+        "        dst[v] = make_uint4(kSentinelPair, kSentinelPair, kSentinelPair, kSentinelPair);\n    }\n"
+        "  __threadfence_system();",
+        "        dst[v] = make_uint4(kSentinelPair, kSentinelPair, kSentinelPair, kSentinelPair);\n    }\n"
+        "  __threadfence();",
+        "the interpreter has one memory and no fence scopes: the sentinel lands before the peers' later "
+        "writes whatever the fence's scope"),
 }
 
 
@@ -262,14 +327,16 @@ def mutant_ptx(name):
 
 def test_every_emulator_mutant_is_here():
     """Every allreduce mutant of the hand emulator is re-expressed here (caught, or listed as
-    emulator-only with the reason)."""
+    emulator-only with the reason); the mutants here may cover more (parts the emulator leaves
+    out), and every emulator-only one is one of the emulator's."""
     # read from the source: importing check.py would put the emulators' directory on sys.path
     with open(os.path.join(REPO, "tools", "kernel_emulators", "check.py"), encoding="utf-8") as f:
         tree = ast.parse(f.read())
     table = next(node.value for node in tree.body if isinstance(node, ast.Assign)
                  and any(isinstance(t, ast.Name) and t.id == "MUTANTS" for t in node.targets))
     allreduce = next(v for k, v in zip(table.keys, table.values) if ast.literal_eval(k) == "allreduce")
-    assert {ast.literal_eval(k) for k in allreduce.keys} == set(MUTANTS) | set(EMULATOR_ONLY)
+    emulator = {ast.literal_eval(k) for k in allreduce.keys}
+    assert emulator <= set(MUTANTS) | set(EMULATOR_ONLY) and set(EMULATOR_ONLY) <= emulator
     assert not set(MUTANTS) & set(EMULATOR_ONLY)
 
 

@@ -17,12 +17,16 @@ Model
   lets it. A rank's next call starts when all blocks of its current call have finished (stream
   order). Spin-waits yield after every poll.
 * Weak memory: a block's stores to any buffer are queued and land later, in any order, 4-byte
-  words of one 16-byte vector possibly at different times (torn vectors); __threadfence /
-  __threadfence_system make every earlier store of the block land; st.release does too before
-  its own store (which then lands later); ld.acquire / ld.volatile read what has landed; the end
-  of a kernel makes everything land. A store to an address the same block has a store pending
-  for lands after it, and a block's load of such an address makes its own stores land first
-  (a thread reads its own writes).
+  words of one 16-byte vector possibly at different times (torn vectors); __threadfence_system
+  (fence at system scope) makes every earlier store of the block land; st.release.sys does too
+  before its own store (which then lands later); ld.acquire / ld.volatile read what has landed.
+  Scopes: every peer is another GPU, so a GPU-scope fence (__threadfence) - and the end of a
+  kernel, which orders at GPU scope too - orders nothing the peers observe: the block's stores
+  in flight then are "held": they land only when something forces them (the block reads those
+  addresses, a later system-scope fence of the block, or no block can progress otherwise), i.e.
+  as late as the hardware may make them visible to another GPU. A store to an address the same
+  block has a store pending for lands after it, and a block's load of such an address makes its
+  own stores land first (a thread reads its own writes).
 * Every word carries a shadow: which rank wrote it for which call (call = position in the
   emulated call sequence, the same on every rank), data or sentinel, and which ranks still have
   to read it. Reading a word that does not hold the expected rank's data of the reader's call is
@@ -64,7 +68,7 @@ from norm import F32, FP8, Storage, add_rmsnorm_row, round_to, row_launch, threa
 from ptx import HazardError, SharedMemory, fail  # noqa: E402
 
 KERNEL = "csrc/allreduce/fused_allreduce.cu (epilogue: csrc/norm/rmsnorm_row.cuh, via norm.py)"
-K_MAX_RANKS, K_MAX_BLOCKS = 8, 128  # norm_allreduce.h
+K_MAX_RANKS, K_MAX_BLOCKS = 8, 64  # norm_allreduce.h
 K_ALIGN = 256
 K_SENTINEL_PAIR = 0x80008000  # two 16-bit -0.0
 K_PUSH_SLOTS = 3
@@ -78,8 +82,8 @@ NAMES = {torch.float16: "fp16", torch.bfloat16: "bf16"}
 # struct Signals (byte offsets)
 PUSH_HEADERS = 2 * 2 * K_MAX_BLOCKS * K_MAX_RANKS * 8
 STATE = PUSH_HEADERS + K_PUSH_SLOTS * K_MAX_BLOCKS * K_MAX_RANKS * 8
-FIRST_ERROR = STATE + K_MAX_BLOCKS * 16  # ErrorWord: code first
-SIGNALS_BYTES = FIRST_ERROR + 32
+FIRST_ERROR = STATE + K_MAX_BLOCKS * 8  # ErrorWord: code first
+SIGNALS_BYTES = FIRST_ERROR + 32 + 8  # + num_blocks, padded to 8 bytes
 
 
 def flag_at(parity, rnd, b, frm):  # &flags[parity][rnd][b][frm]
@@ -153,11 +157,12 @@ class Buffer:
 
 class Entry:
     """Stores of one block in flight to one buffer."""
-    __slots__ = ("dst", "words", "vals", "left", "writer", "call", "data", "need", "tear", "what")
+    __slots__ = ("dst", "words", "vals", "left", "writer", "call", "data", "need", "tear", "what", "held")
 
     def __init__(self, dst, words, vals, writer, call, data, need, tear, what):
         self.dst, self.words, self.vals = dst, words, vals
         self.left = np.ones(words.size, bool)
+        self.held = False  # only a GPU-scope fence was passed since: lands only when forced
         self.writer, self.call, self.data, self.need, self.tear, self.what = writer, call, data, need, tear, what
 
 
@@ -174,14 +179,14 @@ class ErrorWord:
 class Params:
     """struct Params, as launch() fills it."""
 
-    def __init__(self, call, layout, push_bytes, timeout):
+    def __init__(self, call, layout, push_bytes, timeout, num_blocks):
         self.layout = layout
         self.push_stride = align_up(push_bytes)
         self.rows, self.hidden, self.world, self.rank = call.rows, call.hidden, call.world, call.rank
         self.algorithm = call.algorithm
         nbytes = call.rows * call.hidden * 2
         op = (2 if call.fp8_out else 1) if call.fused else 0
-        self.header = (op << 28) | nbytes
+        self.header = op << 30 | (num_blocks - 1) << 24 | nbytes >> 4  # message_header()
         self.fused = call.fused
         self.eps = call.eps
         self.inv_scale = call.inv_scale if call.fp8_out else 1.0
@@ -249,9 +254,13 @@ class Block:
             self.emu.enqueue(self.key, Entry(dst, words, np.asarray(vals, np.uint32).reshape(-1).copy(), self.rank,
                                              self.call.idx, data, need, tear, what))
 
-    def fence(self):
-        """__threadfence() / __threadfence_system(): every earlier store of the block lands."""
-        self.emu.drain_block(self.key)
+    def fence(self, scope="sys"):
+        """__threadfence_system() ("sys"): every earlier store of the block lands. __threadfence()
+        ("gpu"): orders nothing another GPU observes; the stores in flight are held."""
+        if scope == "sys":
+            self.emu.drain_block(self.key)
+        else:
+            self.emu.hold_block(self.key)
 
     def store_relaxed(self, dst, off, value, need, what):
         """A 64-bit volatile (relaxed) store: lands later, in any order with the block's others."""
@@ -267,11 +276,11 @@ class Block:
         m = self.emu.bufs[self.rank].mem
         return int(m[off // 4]) | int(m[off // 4 + 1]) << 32
 
-    def state(self, field):  # BlockState of this block: seq, push_slot, last_push_rows, last_push_row_bytes
-        return int(self.emu.bufs[self.rank].mem[(STATE + self.b * 16) // 4 + field])
+    def state(self, field):  # BlockState of this block: seq, push_slot
+        return int(self.emu.bufs[self.rank].mem[(STATE + self.b * 8) // 4 + field])
 
     def set_state(self, field, value):
-        self.emu.bufs[self.rank].mem[(STATE + self.b * 16) // 4 + field] = value & M32
+        self.emu.bufs[self.rank].mem[(STATE + self.b * 8) // 4 + field] = value & M32
 
     def first_error_code(self):
         return int(self.emu.bufs[self.rank].mem[FIRST_ERROR // 4])
@@ -599,19 +608,9 @@ def oneshot_push_kernel(k):
     nvec = p.hidden // VEC
     rb = p.hidden * 2
     seq = next_seq(k.state(0))
-    prev = k.state(1) % K_PUSH_SLOTS
-    slot = (prev + 1) % K_PUSH_SLOTS
+    slot = (k.state(1) + 1) % K_PUSH_SLOTS
     mine = p.rank
     vs = np.arange(nvec)
-    # Re-arm the previous push call's rows (of that call's row size) with the sentinel.
-    prev_rb = k.state(3)
-    for row in range(k.b, k.state(2), k.grid):
-        for q in range(p.world):
-            words = k.vec_words(mine, f"push{prev}", p.layout.push[prev] + q * p.push_stride + row * prev_rb
-                                + np.arange(prev_rb // 16) * 16, sender=q)
-            k.store(mine, words, np.full(words.size, K_SENTINEL_PAIR, np.uint32), False, 0, True, f"re-arm row {row}")
-        yield "step"
-    k.fence()  # __threadfence(); __syncthreads()
     # Header first (threads t < world, volatile stores), then the rows.
     for t in range(p.world):
         k.store_relaxed(t, push_header_at(slot, k.b, p.rank), (seq << 32) | p.header, 1 << t, "push header")
@@ -634,10 +633,17 @@ def oneshot_push_kernel(k):
             return
         finish_row(k, row, acc)
         yield "step"
+    # Re-arm the rows this block just read with the sentinel, then a system-scope fence: the peers
+    # write this slot again three push calls later, from other GPUs.
+    for row in range(k.b, p.rows, k.grid):
+        for q in range(p.world):
+            words = k.vec_words(mine, f"push{slot}", p.layout.push[slot] + q * p.push_stride + row * rb + vs * 16,
+                                sender=q)
+            k.store(mine, words, np.full(words.size, K_SENTINEL_PAIR, np.uint32), False, 0, True, f"re-arm row {row}")
+        yield "step"
+    k.fence("sys")  # __threadfence_system() after the re-arm
     k.set_state(0, seq)  # __syncthreads(); thread 0
     k.set_state(1, slot)
-    k.set_state(2, p.rows)
-    k.set_state(3, rb)
 
 
 KERNELS = {PUSH: oneshot_push_kernel, PULL: oneshot_pull_kernel, TWOSHOT: twoshot_kernel}
@@ -748,10 +754,23 @@ class Emu:
         for e in list(self.pending.get(key, ())):
             self.apply(key, e, None)
 
-    def drain_some(self):
-        keys = [k for k, lst in self.pending.items() if lst]
-        key = self.rng.choice(keys)
-        e = self.rng.choice(self.pending[key])
+    def hold_block(self, key):
+        for e in self.pending.get(key, ()):
+            e.held = True
+
+    def drain_some(self, forced=False):
+        """Land some store: any not held; a held one only when `forced` (nothing else can move),
+        then the newest of a random block."""
+        free = [(k, e) for k, lst in self.pending.items() for e in lst if not e.held]
+        if free:
+            key, e = self.rng.choice(free)
+        elif forced:  # the newest first: a held store stays in flight as long as anything else can move
+            key = self.rng.choice([k for k, lst in self.pending.items() if lst])
+            e = self.pending[key][-1]
+            self.apply(key, e, None)
+            return
+        else:
+            return
         if e.tear and self.rng.random() < 0.5:  # part of it lands: any words, torn vectors included
             self.apply(key, e, np.array([self.rng.random() < 0.5 for _ in range(e.words.size)]))
         else:
@@ -769,7 +788,7 @@ class Emu:
                 if not live[r] and nxt[r] < len(programs[r]):
                     call = programs[r][nxt[r]]
                     nxt[r] += 1
-                    call.params = Params(call, self.layout, self.push_bytes, self.timeout)
+                    call.params = Params(call, self.layout, self.push_bytes, self.timeout, self.num_blocks)
                     call.status = launch(call, self.num_blocks, self.max_bytes, self.push_bytes)
                     if call.status != "cudaSuccess":
                         continue
@@ -796,7 +815,7 @@ class Emu:
             n_live = sum(len(lv) for lv in live)
             all_stalled = n_live > 0 and len(self.stalled) >= n_live
             if self.n_pending and (all_stalled or self.rng.random() < self.p_drain):
-                self.drain_some()
+                self.drain_some(forced=all_stalled)
                 continue
             if all_stalled and self.deadlock_check and not self.hold:
                 fail("deadlock: every block waits and no store is in flight: " + self.describe(live))
@@ -811,9 +830,9 @@ class Emu:
             except StopIteration:
                 live[r].remove(item)
                 self.stalled.clear()
-                if not live[r]:  # the kernel ends: everything it stored lands
+                if not live[r]:  # the kernel ends: a GPU-scope ordering, the peers may not see it yet
                     for b in range(self.num_blocks):
-                        self.drain_block((r, b))
+                        self.hold_block((r, b))
                 continue
             if what == "wait":
                 self.stalled.add(g)
@@ -934,8 +953,9 @@ def check_results(specs, programs, data, dtype, errs):
 
 
 def run_sequence(world, hidden, dtype, num_blocks, ncalls, max_tokens, seed, push_frac=1.0, algos=(PUSH, PULL, TWOSHOT),
-                 start_seq=0, specs=None):
-    """Many consecutive calls of random algorithms / token counts / epilogues on `world` ranks."""
+                 start_seq=0, specs=None, late_rank=None):
+    """Many consecutive calls of random algorithms / token counts / epilogues on `world` ranks;
+    late_rank: that rank stalls a while at the start of every call (the others run ahead)."""
     rng = random.Random(seed)
     max_bytes = max_tokens * hidden * 2
     row = hidden * 2
@@ -943,10 +963,12 @@ def run_sequence(world, hidden, dtype, num_blocks, ncalls, max_tokens, seed, pus
     specs = specs or random_specs(rng, ncalls, max_tokens, hidden, push_bytes, algos)
     programs, data = build(specs, world, hidden, dtype, seed)
     emu = Emu(world, num_blocks, max_bytes, push_bytes, seed)
+    if late_rank is not None:
+        emu.delays = {(late_rank, s.idx): 400 for s in specs}
     if start_seq:
         for buf in emu.bufs:
             for b in range(num_blocks):
-                buf.mem[(STATE + b * 16) // 4] = start_seq & M32
+                buf.mem[(STATE + b * 8) // 4] = start_seq & M32
     emu.run(programs)
     errs = {}
     problem = check_results(specs, programs, data, dtype, errs)
@@ -988,7 +1010,7 @@ def run_failure(world, algorithm, kind, seed, hidden=64, num_blocks=2, timeout=3
         if any(getattr(e, f) != v for f, v in want.items()):
             problems.append(f"rank {r}: {e}, want {want}")
         elif kind == "mismatch":
-            hdr = lambda rows: (1 << 28) | rows * hidden * 2  # noqa: E731
+            hdr = lambda rows: 1 << 30 | (num_blocks - 1) << 24 | rows * hidden * 2 >> 4  # noqa: E731
             mine, theirs = hdr(4 if r == 1 else 3), hdr(4 if e.peer == 1 else 3)
             if (e.mine, e.theirs) != (mine, theirs) or (r != 1 and e.peer != 1):
                 problems.append(f"rank {r}: {e}: wrong headers or peer")
@@ -1079,6 +1101,11 @@ def cases(quick):
              for i in range(6, 21)]
     out.append(("W=4 hidden=64 bf16 blocks=2: 20 calls across the uint32 call-counter wrap (seq 2^32-7 .. 2^32-1, 2 .. 14)",
                 lambda: run_sequence(4, 64, bf16, 2, 20, 4, 12, start_seq=(1 << 32) - 8, specs=wrap)))
+    # push only (no system fence of a flag round in between), rank 0 late at every call: a slot's
+    # re-arm must land before rank 1 writes the slot again three calls later
+    pushes = [Spec(i, PUSH, 1 + i % 3, False, False) for i in range(1, 13)]
+    out.append(("W=2 hidden=64 bf16 blocks=1: 12 push calls, rank 0 late at every call (re-arm vs the peers' next writes)",
+                lambda: run_sequence(2, 64, bf16, 1, 12, 3, 17, specs=pushes, late_rank=0)))
     fails = [(2, PUSH, "missing"), (4, PULL, "missing"), (8, TWOSHOT, "missing"), (4, PUSH, "mismatch"),
              (2, TWOSHOT, "mismatch")]
     if not quick:

@@ -32,15 +32,29 @@ cudaError_t launch_fused_add_rmsnorm(const void* x, const void* residual, const 
 // every other rank (ipc_* below). A call sums x over the ranks in rank order in fp32, rounds the
 // sum to x's dtype once (every rank gets the same bits), then either stores it (fused = false) or
 // applies residual add + RMSNorm. Waits spin on flags in the buffers; each gives up after
-// timeout_ns and reports into *error (host-mapped memory) instead of hanging. Progress counters
-// live in the buffers, so a call captured in a CUDA graph replays correctly.
+// timeout_ns and reports into *error (host-mapped memory) instead of hanging. A call that fails
+// or is refused (a failure before it, a mismatch) writes NaN into every row of out and
+// residual_out its blocks own, so a graph replay that nobody checks computes on NaN, not on
+// stale data. Progress counters live in the buffers, so a call captured in a CUDA graph replays
+// correctly.
 namespace allreduce {
 
 constexpr int kMaxRanks = 8;
-constexpr int kMaxBlocks = 128;
+constexpr int kMaxBlocks = 64;  // the message header has 6 bits for the grid size
 
-enum Algorithm : int { kOneShotPush = 0, kOneShotPull = 1, kTwoShot = 2 };
-enum ErrorCode : int { kOk = 0, kTimeout = 1, kSizeMismatch = 2 };
+// kOneShotPush1Block: the push protocol in one thread block (one handshake per peer instead of
+// one per block and peer): the small-message path (one token of decode).
+enum Algorithm : int { kOneShotPush = 0, kOneShotPull = 1, kTwoShot = 2, kOneShotPush1Block = 3 };
+// kBlocksMismatch: the launch's grid is not the one the buffers were created for (num_blocks of
+// init_buffer; 1 for kOneShotPush1Block).
+enum ErrorCode : int { kOk = 0, kTimeout = 1, kSizeMismatch = 2, kBlocksMismatch = 3 };
+
+// What every flag word carries besides the call number, so that ranks launching different calls
+// refuse instead of exchanging garbage: op (0 all_reduce, 1 + add_rmsnorm, 2 + fp8 out) << 30 |
+// (grid blocks - 1) << 24 | message bytes / 16 (messages are < 2^28 bytes, whole 16-byte rows).
+constexpr uint32_t message_header(uint32_t op, uint32_t blocks, uint64_t bytes) {
+  return op << 30 | (blocks - 1) << 24 | static_cast<uint32_t>(bytes >> 4);
+}
 
 // What a failed call leaves in host-mapped memory (read by the host after the fact).
 struct ErrorWord {
@@ -50,8 +64,8 @@ struct ErrorWord {
   int32_t peer;       // the rank waited for
   int32_t block;      // the thread block that gave up
   int32_t algorithm;  // Algorithm
-  uint32_t mine;      // this rank's message header: op << 28 | bytes
-  uint32_t theirs;    // the peer's header (kSizeMismatch)
+  uint32_t mine;      // this rank's message header (message_header)
+  uint32_t theirs;    // the peer's header (kSizeMismatch); the launch's grid (kBlocksMismatch)
 };
 
 struct Call {
@@ -60,7 +74,7 @@ struct Call {
   void* bases[kMaxRanks];  // every rank's buffer, in this process's address space
   int64_t max_bytes;       // capacity of one message (sizes the buffers)
   int64_t push_bytes;      // capacity of one message on the push path
-  int num_blocks;          // the same on every rank, <= kMaxBlocks
+  int num_blocks;          // what init_buffer got (the same on every rank), <= kMaxBlocks
   const void* x;           // [rows, hidden]
   const void* residual;    // fused only
   const void* weight;      // fused only
@@ -75,9 +89,11 @@ struct Call {
   ErrorWord* error;        // host-mapped (pinned) memory
 };
 
-// Bytes of one rank's buffer, and its one-time initialisation (before any peer maps it).
+// Bytes of one rank's buffer, and its one-time initialisation (before any peer maps it). The
+// buffer keeps num_blocks: every later call must launch that many blocks (per-block call
+// counters and push slots are only consistent across ranks and calls with a fixed grid).
 size_t buffer_bytes(int world, int64_t max_bytes, int64_t push_bytes);
-cudaError_t init_buffer(void* base, int world, int64_t max_bytes, int64_t push_bytes,
+cudaError_t init_buffer(void* base, int world, int64_t max_bytes, int64_t push_bytes, int num_blocks,
                         cudaStream_t stream);
 cudaError_t launch(const Call& call, cudaStream_t stream);
 
