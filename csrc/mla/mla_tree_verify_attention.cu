@@ -4,7 +4,7 @@
 // (512 latent + 64 rope), the key of every query head; its first 512 values are the value. A CTA
 // (4 warps) owns kBlockM = 16 or 32 query rows of one (request, KV split): the request's n_b drafts
 // x H heads, packed (row = draft * H + head). It streams its share of the prefix through a
-// double-buffered shared-memory tile of kBlockN KV rows (cp.async gathers, one slot id per row,
+// 2- or 3-stage shared-memory ring of kBlockN-row KV tiles (cp.async gathers, one slot id per row,
 // the ids themselves copied into shared memory two tiles ahead), then - last split only - the n_b
 // draft slots; only those tail tiles test the 64-bit ancestor words.
 //
@@ -19,13 +19,13 @@
 //   O += P V   : every warp owns 128 of the 512 output columns for all rows (the accumulator:
 //                kMTiles x 16 n8 tiles = 64 / 128 fp32 registers); A = P from shared memory,
 //                B = V^T by ldmatrix.trans of the same KV tile as K.
-// Three barriers per tile: tile landed, row maxima published, P written.
+// Barriers per tile: row maxima published, P written, and with 2 stages also tile landed.
 //
 // Shape. One unit of S per warp over the whole 576 dims needs kBlockM * kBlockN = 4 warps x 128;
 // the O accumulator (kBlockM x 512 fp32) over the CTA's threads must stay <= 128 registers per
-// thread (kBlockM <= 32 with 4 warps), and shared memory holds Q (kBlockM rows) + two KV stages
+// thread (kBlockM <= 32 with 4 warps), and shared memory holds Q (kBlockM rows) + the KV stages
 // (kBlockN rows each) of 1152 bytes per row under sm_120's 99 KB per block:
-//   kBlockM = 32, kBlockN = 16: (32 + 2 * 16) * 1152 = 72 KB (+ P, row maxima, slot ids: 74.25 KB)
+//   kBlockM = 32, kBlockN = 16: (32 + 3 * 16) * 1152 = 90 KB (+ P, row maxima, slot ids: 92.25 KB)
 //   kBlockM = 16, kBlockN = 32: (16 + 2 * 32) * 1152 = 90 KB (+ P, row maxima, slot ids: 92.5 KB)
 // 64 rows x 8 warps (FlashMLA's CTA) would need (64 + 2 * 16) * 1152 = 108 KB even with 16-key
 // tiles (and 144 registers of Q fragments per thread if Q were kept in registers instead), so it
@@ -79,10 +79,12 @@ struct MlaTile {
   static constexpr int kBlockN = 8 * kWarps / kMTiles;  // one 16 x 8 unit of S per warp
   static constexpr int kNWarps = kBlockN / 8;           // warps sharing one m tile's rows
   static constexpr int kStageElems = kBlockN * kD;
+  // KV stages: 3 (two tiles in flight, two barriers per tile) where they fit, else 2 (three barriers)
+  static constexpr int kStages = kMTiles == 2 ? 3 : 2;
   // P rows padded by 16 bytes: the 8 rows one ldmatrix reads fall in 8 different bank groups.
   static constexpr int kPStride = kBlockN * 2 + 16;
   static constexpr int kIdxStages = 4;  // slot ids of 4 tiles in flight, 8 bytes each
-  static constexpr int kSmemBytes = (kBlockM * kD + 2 * kStageElems) * 2 + kBlockM * kPStride +
+  static constexpr int kSmemBytes = (kBlockM * kD + kStages * kStageElems) * 2 + kBlockM * kPStride +
                                     kNWarps * kBlockM * 4 + kIdxStages * kBlockN * 8;
   static_assert(kBlockM * kBlockN == 128 * kWarps && kBlockN % 16 == 0, "one S unit per warp, whole k16 steps");
   static_assert(kBlockN * 8 % kThreads == 0, "the gather gives every thread whole rows of 8 chunks");
@@ -97,8 +99,8 @@ __global__ void __launch_bounds__(kThreads) mla_tree_verify_kernel(const MlaPara
   constexpr int kNWarps = Tile::kNWarps;
   extern __shared__ __align__(128) uint8_t smem[];
   T* s_q = reinterpret_cast<T*>(smem);
-  T* s_kv = s_q + kBlockM * kD;  // two stages of [kBlockN][kD]
-  uint8_t* s_p = reinterpret_cast<uint8_t*>(s_kv + 2 * Tile::kStageElems);  // [kBlockM][kPStride] bytes
+  T* s_kv = s_q + kBlockM * kD;  // kStages stages of [kBlockN][kD]
+  uint8_t* s_p = reinterpret_cast<uint8_t*>(s_kv + Tile::kStages * Tile::kStageElems);  // [kBlockM][kPStride] bytes
   float* s_red = reinterpret_cast<float*>(s_p + kBlockM * Tile::kPStride);  // [kNWarps][kBlockM]
   uint8_t* s_idx = reinterpret_cast<uint8_t*>(s_red + kNWarps * kBlockM);  // [4][kBlockN] x 8 B
 
@@ -240,9 +242,14 @@ __global__ void __launch_bounds__(kThreads) mla_tree_verify_kernel(const MlaPara
   const int red_at = static_cast<int>(pinned(nw * kBlockM + mw * 16 + g));  // s_red cell of row mw * 16 + g
   uint8_t* const p_at = s_p + pinned((mw * 16 + g) * Tile::kPStride + s_col * 2);  // P of s[0], s[1]
 
-  // Slot ids of tiles 0 and 1 (with Q) visible to every thread before the first gathers. In the
-  // loop, tile t + 1 is gathered (with tile t + 3's ids) once tile t has landed: its stage and the
-  // ids' stage were last read in tile t - 1, before this tile's first barrier.
+  // Slot ids of tiles 0 and 1 (with Q) visible to every thread before the first gathers; every
+  // gather of tile u is issued with the ids of tile u + 2, one cp.async group per tile.
+  //   2 stages: tile t + 1 is gathered once tile t has landed (the loop-top barrier): its stage
+  //     and the ids' stage were last read in tile t - 1, before that barrier.
+  //   3 stages: tiles 0 and 1 before the loop; tile t + 2 is gathered after tile t's first barrier
+  //     (its stage was last read by tile t - 1's P V, which every warp finished before that
+  //     barrier), and tile t + 1 is waited for before tile t's second barrier, which makes it
+  //     visible for the next iteration: no loop-top barrier.
   load_indices(0);
   load_indices(1);
   cp_async_commit();
@@ -251,16 +258,26 @@ __global__ void __launch_bounds__(kThreads) mla_tree_verify_kernel(const MlaPara
   if (total_tiles > 0) load_tile(0, 0);
   load_indices(2);
   cp_async_commit();  // tile 0 (and tile 2's ids)
+  if constexpr (Tile::kStages == 3) {
+    if (total_tiles > 1) load_tile(1, 1);
+    load_indices(3);
+    cp_async_commit();  // tile 1 (and tile 3's ids)
+    cp_async_wait<1>();
+    __syncthreads();  // tile 0 (and tile 2's ids) visible
+  }
 
+  int stage = 0;  // t % kStages
   for (int t = 0; t < total_tiles; ++t) {
-    cp_async_wait<0>();
-    __syncthreads();  // tile t (and the ids of t + 1, t + 2) visible; tile t - 1 fully read
-    if (t + 1 < total_tiles) {
-      load_tile(t + 1, (t + 1) & 1);
-      load_indices(t + 3);
-      cp_async_commit();
+    if constexpr (Tile::kStages == 2) {
+      cp_async_wait<0>();
+      __syncthreads();  // tile t (and the ids of t + 1, t + 2) visible; tile t - 1 fully read
+      if (t + 1 < total_tiles) {
+        load_tile(t + 1, stage ^ 1);
+        load_indices(t + 3);
+        cp_async_commit();
+      }
     }
-    const uint32_t kv_s = kv_smem + (t & 1) * Tile::kStageElems * 2;
+    const uint32_t kv_s = kv_smem + stage * Tile::kStageElems * 2;
 
     // S unit: 16 rows x 8 keys over all 36 k16 steps, even and odd steps in two accumulator chains
     float s[4], s2[2][4] = {};
@@ -313,6 +330,16 @@ __global__ void __launch_bounds__(kThreads) mla_tree_verify_kernel(const MlaPara
       if (t4 == 0) s_red[red_at + h * 8] = mx;
     }
     __syncthreads();  // row maxima published
+    if constexpr (Tile::kStages == 3) {
+      if (t + 2 < total_tiles) {
+        load_tile(t + 2, stage == 0 ? 2 : stage - 1);
+        load_indices(t + 4);
+        cp_async_commit();
+        cp_async_wait<1>();  // tile t + 1 (and the ids of t + 3)
+      } else {
+        cp_async_wait<0>();
+      }
+    }
 
     // every warp: the new max of all its O rows (same values, same order in every warp)
     float alpha[kMTiles][2], m_safe[kMTiles][2];
@@ -341,7 +368,7 @@ __global__ void __launch_bounds__(kThreads) mla_tree_verify_kernel(const MlaPara
       l_own[h] = l_own[h] * al + (p0 + p1);
       *reinterpret_cast<uint32_t*>(p_at + h * 8 * Tile::kPStride) = pack2<T>(p0, p1);
     }
-    __syncthreads();  // P written
+    __syncthreads();  // P written (3 stages: and tile t + 1 visible)
 
     // O[:, this warp's 128 columns] = alpha O + P V over the tile's kBlockN / 16 k16 steps (the
     // rescale next to each n8 tile's first mma, so that it issues between mma instructions)
@@ -368,6 +395,7 @@ __global__ void __launch_bounds__(kThreads) mla_tree_verify_kernel(const MlaPara
         }
       }
     }
+    stage = stage + 1 == Tile::kStages ? 0 : stage + 1;
   }
   cp_async_wait<0>();
 

@@ -122,7 +122,7 @@ class KernelResources:
 # threads are the kernels' own constants (TileConfig / MlaTile); a stale register figure only
 # mis-sizes the splits, never breaks a launch.
 CUDA_TREE_VERIFY_REGS = {64: 128, 128: 242, 256: 254}  # head dim -> registers
-CUDA_MLA_REGS = {16: 128, 32: 226}  # BLOCK_M (mla_block_m) -> registers
+CUDA_MLA_REGS = {16: 126, 32: 233}  # BLOCK_M (mla_block_m) -> registers
 _CUDA_THREADS = 128  # kWarps = 4 in both kernels
 
 
@@ -139,11 +139,13 @@ def cuda_tree_verify_resources(head_dim: int) -> KernelResources:
 
 
 def cuda_mla_resources(block_m: int) -> KernelResources:
-    """csrc/mla/mla_tree_verify_attention.cu: Q tile, two stages of block_n = 512 / block_m keys, P
-    (rows padded by 16 bytes), the row maxima, the slot ids of 4 tiles (MlaTile::kSmemBytes)."""
+    """csrc/mla/mla_tree_verify_attention.cu: Q tile, 2 (block_m 16) or 3 (block_m 32) stages of
+    block_n = 512 / block_m keys, P (rows padded by 16 bytes), the row maxima, the slot ids of 4
+    tiles (MlaTile::kSmemBytes)."""
     block_n = 512 // block_m
-    smem = ((block_m * 576 + 2 * block_n * 576) * 2 + block_m * (block_n * 2 + 16) + block_n // 8 * block_m * 4
-            + 4 * block_n * 8)
+    stages = 3 if block_m == 32 else 2
+    smem = ((block_m * 576 + stages * block_n * 576) * 2 + block_m * (block_n * 2 + 16)
+            + block_n // 8 * block_m * 4 + 4 * block_n * 8)
     return KernelResources(_CUDA_THREADS, CUDA_MLA_REGS.get(block_m, 255), smem)
 
 

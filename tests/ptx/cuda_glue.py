@@ -205,13 +205,13 @@ class PtxCudaOps:
         mod = self._module("mla/mla_tree_verify_attention.cu")
         tname = "13__nv_bfloat16" if q.dtype == torch.bfloat16 else "6__half"
         # launch_for_rows(): mla_block_m(max_rows) = 16 (1 m tile) or 32 (2); launch(): 4 warps,
-        # MlaTile<kMTiles>: block_n = 32 / m tiles keys per tile; kSmemBytes = (block_m * 576 + 2 * block_n
-        # * 576) * 2 + P (block_m rows of block_n * 2 + 16 bytes) + row maxima (block_n / 8 x block_m floats)
-        # + 4 stages of block_n slot ids x 8 bytes
+        # MlaTile<kMTiles>: block_n = 32 / m tiles keys per tile, 2 or 3 (2 m tiles) KV stages; kSmemBytes =
+        # (block_m * 576 + stages * block_n * 576) * 2 + P (block_m rows of block_n * 2 + 16 bytes)
+        # + row maxima (block_n / 8 x block_m floats) + 4 stages of block_n slot ids x 8 bytes
         m_tiles = 1 if max_rows <= 16 else 2
-        block_m, block_n = 16 * m_tiles, 32 // m_tiles
-        smem = ((block_m * 576 + 2 * block_n * 576) * 2 + block_m * (block_n * 2 + 16) + block_n // 8 * block_m * 4
-                + 4 * block_n * 8)
+        block_m, block_n, stages = 16 * m_tiles, 32 // m_tiles, 1 + m_tiles
+        smem = ((block_m * 576 + stages * block_n * 576) * 2 + block_m * (block_n * 2 + 16)
+                + block_n // 8 * block_m * 4 + 4 * block_n * 8)
         m_blocks = -(-max_rows // block_m)
         self._run(m, mod, f"mla_tree_verify_kernelI{tname}Li{m_tiles}E", (B * m_blocks, num_splits), (128,),
                   [raw], smem)

@@ -84,7 +84,8 @@ MUTANTS = {
         "mismatch"),
     "mla_wait_group_1": (
         MLA, "cp.async.wait_group 1 instead of 0 at the top of the tile loop",
-        "    cp_async_wait<0>();\n    __syncthreads();  // tile t", "    cp_async_wait<1>();\n    __syncthreads();  // tile t",
+        "      cp_async_wait<0>();\n      __syncthreads();  // tile t",
+        "      cp_async_wait<1>();\n      __syncthreads();  // tile t",
         "that a cp.async has not completed"),
     "mla_no_loop_top_sync": (
         MLA, "no __syncthreads after the wait",
@@ -94,6 +95,20 @@ MUTANTS = {
         "    __syncthreads();  // row maxima published", "    // row maxima published", RACE),
     "mla_no_p_sync": (
         MLA, "no __syncthreads between writing and reading P",
+        "    __syncthreads();  // P written", "    // P written", RACE),
+    # the 3-stage ring of 32-row CTAs (run_mla32; names end in _bm32)
+    "mla_wait_group_2_bm32": (
+        MLA, "3 stages: wait_group 2 instead of 1 before the P barrier (tile t + 1 not waited for)",
+        "cp_async_wait<1>();  // tile t + 1", "cp_async_wait<2>();  // tile t + 1", "that a cp.async has not completed"),
+    "mla_prologue_sync_bm32": (
+        MLA, "3 stages: no __syncthreads after the prologue's wait for tile 0",
+        "    __syncthreads();  // tile 0 (and tile 2's ids) visible", "    // tile 0 (and tile 2's ids) visible", RACE),
+    "mla_gather_into_current_stage_bm32": (
+        MLA, "3 stages: tile t + 2 gathered into the stage of tile t",
+        "load_tile(t + 2, stage == 0 ? 2 : stage - 1);", "load_tile(t + 2, stage);",
+        "that a cp.async has not completed"),
+    "mla_no_p_sync_bm32": (
+        MLA, "3 stages: no __syncthreads between writing P and P V (nor for tile t + 1)",
         "    __syncthreads();  // P written", "    // P written", RACE),
     "mla_no_row_sum_sync": (
         MLA, "no __syncthreads between publishing and reading the row sums",
@@ -142,7 +157,21 @@ def run_norm(ops, monkeypatch, dtype=torch.bfloat16, hidden=40, rows=3):
     norm.assert_matches(out, res, ref_out, ref_res)
 
 
+def run_mla32(ops, monkeypatch):
+    # bf16, 3 drafts x 7 heads (21 rows: a 32-row CTA, 16-key tiles, 3 KV stages) after 40 prefix
+    # keys: 3 prefix tiles (the third a partial one, 8 keys) and a tail tile, so tile 3 is gathered
+    # into the stage tile 0 was read from while tiles 1 and 2 are in flight.
+    monkeypatch.setattr(mla_cuda, "cuda_ops", lambda: ops)
+    c = mla.make_case([3], [40], 7, torch.bfloat16, seed=6)
+    out, lse, ref, ref_lse = mla.run_both(c, splits=1)
+    mla.assert_matches(c, out, lse, ref, ref_lse)
+
+
 RUNNERS = {MLA: run_mla, ROW: run_norm, NORM: run_norm}
+
+
+def runner(name, path):
+    return run_mla32 if name.endswith("_bm32") else RUNNERS[path]
 
 
 def _caught(name, what, expect, run):
@@ -156,7 +185,7 @@ def _caught(name, what, expect, run):
         f"{name}: expected to be caught by {expect}, got {got}: {first}"
 
 
-@pytest.mark.parametrize("run", [run_mla, run_norm], ids=["mla", "norm"])
+@pytest.mark.parametrize("run", [run_mla, run_mla32, run_norm], ids=["mla", "mla32", "norm"])
 def test_unmutated_case_passes(run, monkeypatch):
     run(PtxCudaOps(), monkeypatch)
 
@@ -165,7 +194,7 @@ def test_unmutated_case_passes(run, monkeypatch):
 def test_mutant_is_caught(name, monkeypatch):
     path, what, old, new, expect = MUTANTS[name]
     ops = PtxCudaOps(patched={path: patched(path, old, new)})
-    _caught(name, what, expect, lambda: RUNNERS[path](ops, monkeypatch))
+    _caught(name, what, expect, lambda: runner(name, path)(ops, monkeypatch))
 
 
 @pytest.mark.parametrize("name", sorted(HOST_MUTANTS))
