@@ -326,7 +326,7 @@ def _cuda_algorithm_or_skip(algorithm, world):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("world", [2, 4])
-@pytest.mark.parametrize("algorithm", ["oneshot_push", "oneshot_pull", "twoshot", "torch"])
+@pytest.mark.parametrize("algorithm", ["oneshot_push_1block", "oneshot_push", "oneshot_pull", "twoshot", "torch"])
 def test_gpu_ranks_on_one_gpu(world, algorithm):
     """Ranks share GPU 0 through CUDA IPC (a gloo group carries the control plane)."""
     _cuda_algorithm_or_skip(algorithm, world)
@@ -363,7 +363,7 @@ def _gpu_safety_worker(rank, world, algorithm):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("algorithm", ["oneshot_push", "oneshot_pull", "twoshot"])
+@pytest.mark.parametrize("algorithm", ["oneshot_push_1block", "oneshot_push", "oneshot_pull", "twoshot"])
 def test_gpu_kernels_report_mismatch_and_timeout(algorithm):
     _cuda_algorithm_or_skip(algorithm, 2)
     results = run_ranks(2, _gpu_safety_worker, algorithm)
@@ -371,6 +371,56 @@ def test_gpu_kernels_report_mismatch_and_timeout(algorithm):
         assert f"FusedAllReduce rank {rank} of 2" in mismatch and "ranks disagree on the message" in mismatch
     timeout, elapsed = results[0][1]
     assert "waited more than timeout_s=3 s for rank 1" in timeout and elapsed < 30
+
+
+def _gpu_graph_replay_worker(rank, world, algorithm):
+    """Both ranks capture one fused call in a CUDA graph and replay it twice; then rank 1 stops.
+    Rank 0's next replay times out: its outputs must be NaN and check_device_errors() (host
+    memory, no sync) must raise, without any eager call in between."""
+    import torch.distributed as dist
+
+    from spec_kernels.comm import FusedAllReduce
+
+    dev = torch.device("cuda", torch.cuda.current_device())
+    comm = FusedAllReduce(max_tokens=4, hidden_size=1024, dtype=torch.bfloat16, device=dev, timeout_s=3,
+                          algorithm=algorithm)
+    x = torch.full((1, 1024), 0.5, dtype=torch.bfloat16, device=dev)
+    residual = torch.ones_like(x)
+    weight = torch.ones(1024, dtype=torch.bfloat16, device=dev)
+    out, res_out = torch.empty_like(x), torch.empty_like(x)
+    comm.all_reduce_add_rmsnorm(x, residual, weight, 1e-6, out=out, residual_out=res_out)  # warm-up
+    comm.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        comm.all_reduce_add_rmsnorm(x, residual, weight, 1e-6, out=out, residual_out=res_out)
+    for _ in range(2):
+        graph.replay()
+    torch.cuda.synchronize()
+    good = bool(torch.isfinite(out).all()) and float(res_out[0, 0]) == 1.0 + 0.5 * world
+    dist.barrier()
+    if rank == 1:
+        time.sleep(6)
+        return good, None, None
+    graph.replay()  # rank 1 never comes
+    torch.cuda.synchronize()
+    poisoned = bool(torch.isnan(out).all()) and bool(torch.isnan(res_out).all())
+    try:
+        comm.check_device_errors()
+        raised = "no error"
+    except RuntimeError as exc:
+        raised = str(exc)
+    return good, poisoned, raised
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("algorithm", ["oneshot_push_1block", "oneshot_push", "twoshot"])
+def test_gpu_graph_replay_after_a_timeout_is_poisoned_and_raised(algorithm):
+    _cuda_algorithm_or_skip(algorithm, 2)
+    results = run_ranks(2, _gpu_graph_replay_worker, algorithm)
+    assert all(good for good, _, _ in results), "replays before the failure gave wrong results"
+    _, poisoned, raised = results[0]
+    assert poisoned, "the timed-out replay left its outputs unpoisoned"
+    assert "FusedAllReduce rank 0 of 2" in raised and "waited more than timeout_s=3 s for rank 1" in raised, raised
 
 
 @pytest.mark.gpu
