@@ -51,10 +51,10 @@ struct TileConfig {
   // [Q tile] + kStages K + kStages V stages + slot ids: 34 KB (D=64), 98.5 KB (D=128), 97 KB (D=256).
   static constexpr int kSmemBytes = (kQElems + 2 * kStages * kStageKeys * D) * 2 + kIdxBytes;
   static_assert(!kQInRegs || kBlockM <= kStageKeys, "the Q tile is staged in one K stage");
-  // CTAs per SM the registers must allow (__launch_bounds__): 4 at D=64 (<= 128 registers, as
-  // many as sm_90's shared memory holds); 1 above, where shared memory allows 1-2 anyway and
-  // a lower register target makes ptxas recompute tile addresses in the KV loop.
-  static constexpr int kMinCtasPerSm = D == 64 ? 4 : 1;
+  // CTAs per SM the registers must allow (__launch_bounds__): 3 at D=64 (4 would cap it at 128
+  // registers and spill); 1 above, where shared memory allows 1-2 anyway and a lower register
+  // target makes ptxas recompute tile addresses in the KV loop.
+  static constexpr int kMinCtasPerSm = D == 64 ? 3 : 1;
   // The end-of-loop merge reuses that memory: per warp, per lane, the accumulators + m, l.
   static constexpr int kMergeFloats = kDvTiles * 4 + 4;
   static_assert(kWarps * kMergeFloats * 32 * 4 <= kSmemBytes, "merge buffer must fit");
@@ -217,98 +217,99 @@ __global__ void __launch_bounds__(kThreads, TileConfig<D>::kMinCtasPerSm) tree_v
     const int base = tile_base(t), end = tile_end(t);
     const bool is_tail = t >= prefix_tiles;
     const int key0 = wn * keys_per_warp;  // this warp's first key within the tile
-    // This warp's n8 key tiles that hold a key before `end`, rounded up to a k16 pair of the PV
-    // mma: the others are wholly masked and skipped (no mma, no ex2). Decode's tail tile holds
-    // one key, so 3 of its 4 warps skip it.
-    const int live = min(ntiles, max(0, ceil_div(end - base - key0, 16) * 2));
+    // A warp whose keys of the tile are all past `end` skips it (decode's tail tile holds one key:
+    // 3 of its 4 warps). Warp-uniform; per-n8-tile predicates would cost more than they save.
+    const bool live = end - base > key0;
 
-    // S = Q K^T for 16 rows x keys_per_warp keys, k16 steps over D
-    float s[Cfg::kMaxNTiles][4];
+    if (live) {
+      // S = Q K^T for 16 rows x keys_per_warp keys, k16 steps over D
+      float s[Cfg::kMaxNTiles][4];
 #pragma unroll
-    for (int j = 0; j < Cfg::kMaxNTiles; ++j) s[j][0] = s[j][1] = s[j][2] = s[j][3] = 0.f;
+      for (int j = 0; j < Cfg::kMaxNTiles; ++j) s[j][0] = s[j][1] = s[j][2] = s[j][3] = 0.f;
 #pragma unroll
-    for (int kk = 0; kk < D / 16; ++kk) {
-      uint32_t a[4];
-      if constexpr (Cfg::kQInRegs) {
+      for (int kk = 0; kk < D / 16; ++kk) {
+        uint32_t a[4];
+        if constexpr (Cfg::kQInRegs) {
 #pragma unroll
-        for (int i = 0; i < 4; ++i) a[i] = q_frag[kk][i];
-      } else {
-        load_q_fragment(a, kk);
+          for (int i = 0; i < 4; ++i) a[i] = q_frag[kk][i];
+        } else {
+          load_q_fragment(a, kk);
+        }
+#pragma unroll
+        for (int j = 0; j < Cfg::kMaxNTiles; j += 2) {
+          if (j < ntiles) {
+            uint32_t b[4];
+            ldmatrix_x4(b, smem_addr(k_s + swizzled<kChunks>(key0 + j * 8 + (lane / 16) * 8 + lane % 8,
+                                                            kk * 2 + lane / 8 % 2)));
+            mma_16816<T>(s[j], a, b[0], b[1]);
+            mma_16816<T>(s[j + 1], a, b[2], b[3]);
+          }
+        }
       }
+
+      // scale; mask keys past the end (last tile of a range) and, in the tail, non-ancestors
+      const bool full = !is_tail && base + kStageKeys <= end;
+#pragma unroll
+      for (int j = 0; j < Cfg::kMaxNTiles; ++j) {
+        if (j >= ntiles) continue;
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          float x = finite_or_nan(s[j][e] * p.sm_scale_log2);
+          if (!full) {
+            const int pos = base + key0 + j * 8 + t4 * 2 + (e & 1);
+            bool visible = pos < end;
+            // min(.., 63): n_b > 64 (invalid, unchecked on the GPU) must not shift by >= 64 (UB); as Triton.
+            if (is_tail && visible) visible = (row_mask[e >> 1] >> min(pos - prefix_len, 63)) & 1ull;
+            x = visible ? x : -INFINITY;
+          }
+          s[j][e] = x;
+        }
+      }
+
+      // online softmax (base 2) for the thread's two rows; a quad of lanes shares a row
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        float mx = m_i[h];
+#pragma unroll
+        for (int j = 0; j < Cfg::kMaxNTiles; ++j) {
+          if (j < ntiles) mx = fmaxf(mx, fmaxf(s[j][2 * h], s[j][2 * h + 1]));
+        }
+        mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
+        mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
+        const float m_safe = mx == -INFINITY ? 0.f : mx;
+        const float alpha = exp2f(m_i[h] - m_safe);
+        float row_sum = 0.f;
+#pragma unroll
+        for (int j = 0; j < Cfg::kMaxNTiles; ++j) {
+          if (j < ntiles) {
+            s[j][2 * h] = exp2f(s[j][2 * h] - m_safe);
+            s[j][2 * h + 1] = exp2f(s[j][2 * h + 1] - m_safe);
+            row_sum += s[j][2 * h] + s[j][2 * h + 1];
+          }
+        }
+        l_i[h] = l_i[h] * alpha + row_sum;
+        m_i[h] = mx;
+#pragma unroll
+        for (int d = 0; d < Cfg::kDvTiles; ++d) {
+          acc[d][2 * h] *= alpha;
+          acc[d][2 * h + 1] *= alpha;
+        }
+      }
+
+      // O += P V: the S accumulators of two key tiles are the A fragment of one k16 step
 #pragma unroll
       for (int j = 0; j < Cfg::kMaxNTiles; j += 2) {
-        if (j < live) {
-          uint32_t b[4];
-          ldmatrix_x4(b, smem_addr(k_s + swizzled<kChunks>(key0 + j * 8 + (lane / 16) * 8 + lane % 8,
-                                                          kk * 2 + lane / 8 % 2)));
-          mma_16816<T>(s[j], a, b[0], b[1]);
-          mma_16816<T>(s[j + 1], a, b[2], b[3]);
-        }
-      }
-    }
-
-    // scale; mask keys past the end (last tile of a range) and, in the tail, non-ancestors
-    const bool full = !is_tail && base + kStageKeys <= end;
+        if (j < ntiles) {
+          uint32_t a[4] = {pack2<T>(s[j][0], s[j][1]), pack2<T>(s[j][2], s[j][3]),
+                           pack2<T>(s[j + 1][0], s[j + 1][1]), pack2<T>(s[j + 1][2], s[j + 1][3])};
 #pragma unroll
-    for (int j = 0; j < Cfg::kMaxNTiles; ++j) {
-      if (j >= live) continue;
-#pragma unroll
-      for (int e = 0; e < 4; ++e) {
-        float x = finite_or_nan(s[j][e] * p.sm_scale_log2);
-        if (!full) {
-          const int pos = base + key0 + j * 8 + t4 * 2 + (e & 1);
-          bool visible = pos < end;
-          // min(.., 63): n_b > 64 (invalid, unchecked on the GPU) must not shift by >= 64 (UB); as Triton.
-          if (is_tail && visible) visible = (row_mask[e >> 1] >> min(pos - prefix_len, 63)) & 1ull;
-          x = visible ? x : -INFINITY;
-        }
-        s[j][e] = x;
-      }
-    }
-
-    // online softmax (base 2) for the thread's two rows; a quad of lanes shares a row
-#pragma unroll
-    for (int h = 0; h < 2; ++h) {
-      float mx = m_i[h];
-#pragma unroll
-      for (int j = 0; j < Cfg::kMaxNTiles; ++j) {
-        if (j < live) mx = fmaxf(mx, fmaxf(s[j][2 * h], s[j][2 * h + 1]));
-      }
-      mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
-      mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
-      const float m_safe = mx == -INFINITY ? 0.f : mx;
-      const float alpha = exp2f(m_i[h] - m_safe);
-      float row_sum = 0.f;
-#pragma unroll
-      for (int j = 0; j < Cfg::kMaxNTiles; ++j) {
-        if (j < live) {
-          s[j][2 * h] = exp2f(s[j][2 * h] - m_safe);
-          s[j][2 * h + 1] = exp2f(s[j][2 * h + 1] - m_safe);
-          row_sum += s[j][2 * h] + s[j][2 * h + 1];
-        }
-      }
-      l_i[h] = l_i[h] * alpha + row_sum;
-      m_i[h] = mx;
-#pragma unroll
-      for (int d = 0; d < Cfg::kDvTiles; ++d) {
-        acc[d][2 * h] *= alpha;
-        acc[d][2 * h + 1] *= alpha;
-      }
-    }
-
-    // O += P V: the S accumulators of two key tiles are the A fragment of one k16 step
-#pragma unroll
-    for (int j = 0; j < Cfg::kMaxNTiles; j += 2) {
-      if (j < live) {
-        uint32_t a[4] = {pack2<T>(s[j][0], s[j][1]), pack2<T>(s[j][2], s[j][3]),
-                         pack2<T>(s[j + 1][0], s[j + 1][1]), pack2<T>(s[j + 1][2], s[j + 1][3])};
-#pragma unroll
-        for (int d = 0; d < Cfg::kDvTiles; d += 2) {
-          uint32_t b[4];
-          ldmatrix_x4_trans(b, smem_addr(v_s + swizzled<kChunks>(key0 + j * 8 + (lane / 8 % 2) * 8 + lane % 8,
-                                                                d + lane / 16)));
-          mma_16816<T>(acc[d], a, b[0], b[1]);
-          mma_16816<T>(acc[d + 1], a, b[2], b[3]);
+          for (int d = 0; d < Cfg::kDvTiles; d += 2) {
+            uint32_t b[4];
+            ldmatrix_x4_trans(b, smem_addr(v_s + swizzled<kChunks>(key0 + j * 8 + (lane / 8 % 2) * 8 + lane % 8,
+                                                                  d + lane / 16)));
+            mma_16816<T>(acc[d], a, b[0], b[1]);
+            mma_16816<T>(acc[d + 1], a, b[2], b[3]);
+          }
         }
       }
     }

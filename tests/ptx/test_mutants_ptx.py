@@ -32,8 +32,8 @@ MUTANTS = {
     "k_chunk_from_lane16": (TV, "K ldmatrix: k chunk from lane / 16 instead of lane / 8 % 2",
                             "kk * 2 + lane / 8 % 2)));", "kk * 2 + lane / 16)));"),
     "p_fragment_order": (TV, "P as A fragment: registers a1 and a2 swapped",
-                         "pack2<T>(s[j][2], s[j][3]),\n                         pack2<T>(s[j + 1][0], s[j + 1][1])",
-                         "pack2<T>(s[j + 1][0], s[j + 1][1]),\n                         pack2<T>(s[j][2], s[j][3])"),
+                         "pack2<T>(s[j][2], s[j][3]),\n                           pack2<T>(s[j + 1][0], s[j + 1][1])",
+                         "pack2<T>(s[j + 1][0], s[j + 1][1]),\n                           pack2<T>(s[j][2], s[j][3])"),
     "prefetch_into_current_stage": (TV, "the prefetch of tile t + stages - 1 goes to stage t",
                                     "load_tile(t + kStages - 1, (t + kStages - 1) % kStages);",
                                     "load_tile(t + kStages - 1, t % kStages);"),
@@ -51,8 +51,9 @@ MUTANTS = {
                          "    __syncthreads();  // the stage is refilled", "    // the stage is refilled"),
     "tail_mask_off_by_one": (TV, "tail mask bit pos - prefix_len + 1",
                              "min(pos - prefix_len, 63)", "min(pos - prefix_len + 1, 63)"),
-    "live_tiles_rounded_down": (TV, "a warp's live key tiles rounded down: a partial k16 pair is skipped",
-                                "ceil_div(end - base - key0, 16) * 2", "(end - base - key0) / 16 * 2"),
+    "live_only_when_full": (TV, "a warp skips a tile unless all its keys of it are before the end",
+                            "const bool live = end - base > key0;",
+                            "const bool live = end - base >= key0 + keys_per_warp;"),
 }
 
 
