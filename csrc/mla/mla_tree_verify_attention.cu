@@ -11,7 +11,8 @@
 // Work split (no partial sums of S are exchanged, no softmax is computed twice):
 //   S = Q K^T  : the [kBlockM x kBlockN] tile is kMTiles x (kBlockN / 8) = 4 units of 16 rows x
 //                8 keys; warp w computes unit (m tile w % kMTiles, keys w / kMTiles) over all 576
-//                dims (36 k16 steps, Q and K fragments by ldmatrix from shared memory);
+//                dims (36 k16 steps, Q and K fragments by ldmatrix from shared memory; 16-row
+//                CTAs hold the Q fragments of 24 of the steps in registers);
 //   softmax    : the unit's owner scales / masks it, and the owners of a row publish their row
 //                maxima (one float per row and warp); every warp then forms the same new row max
 //                from them, the owner writes P = exp2(S - max) once to shared memory (fp16/bf16)
@@ -255,6 +256,12 @@ __global__ void __launch_bounds__(kThreads) mla_tree_verify_kernel(const MlaPara
   cp_async_commit();
   cp_async_wait<0>();
   __syncthreads();
+  // 16-row CTAs (a 64-register O accumulator) keep the Q fragments of the first kQRegSteps k16
+  // steps in registers: per tile and warp 24 of the 72 ldmatrix fewer.
+  constexpr int kQRegSteps = kMTiles == 1 ? 24 : 0;
+  uint32_t q_reg[kQRegSteps > 0 ? kQRegSteps : 1][4];
+#pragma unroll
+  for (int kk = 0; kk < kQRegSteps; ++kk) ldmatrix_x4(q_reg[kk], q_off[kk % 4] + (kk / 4) * 128);
   if (total_tiles > 0) load_tile(0, 0);
   load_indices(2);
   cp_async_commit();  // tile 0 (and tile 2's ids)
@@ -288,9 +295,13 @@ __global__ void __launch_bounds__(kThreads) mla_tree_verify_kernel(const MlaPara
 #pragma unroll
       for (int h = 0; h < 2; ++h) {
         const int kk = 2 * i + h;
-        uint32_t a[4];
-        ldmatrix_x4(a, q_off[kk % 4] + (kk / 4) * 128);
-        mma_16816<T>(s2[h], a, b[2 * h], b[2 * h + 1]);
+        if (kk < kQRegSteps) {
+          mma_16816<T>(s2[h], q_reg[kk < kQRegSteps ? kk : 0], b[2 * h], b[2 * h + 1]);
+        } else {
+          uint32_t a[4];
+          ldmatrix_x4(a, q_off[kk % 4] + (kk / 4) * 128);
+          mma_16816<T>(s2[h], a, b[2 * h], b[2 * h + 1]);
+        }
       }
     }
 #pragma unroll
