@@ -217,9 +217,10 @@ __global__ void __launch_bounds__(kThreads, TileConfig<D>::kMinCtasPerSm) tree_v
     const int base = tile_base(t), end = tile_end(t);
     const bool is_tail = t >= prefix_tiles;
     const int key0 = wn * keys_per_warp;  // this warp's first key within the tile
-    // A warp whose keys of the tile are all past `end` skips it (decode's tail tile holds one key:
-    // 3 of its 4 warps). Warp-uniform; per-n8-tile predicates would cost more than they save.
-    const bool live = end - base > key0;
+    // A warp whose keys of the tile are all past `end` (decode's tail tile holds one key: 3 of its
+    // 4 warps), or whose 16 rows are all past rows_here, skips it. Warp-uniform; per-n8-tile
+    // predicates would cost more than they save.
+    const bool live = end - base > key0 && wm * 16 < rows_here;
 
     if (live) {
       // S = Q K^T for 16 rows x keys_per_warp keys, k16 steps over D

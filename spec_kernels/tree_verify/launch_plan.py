@@ -121,7 +121,7 @@ class KernelResources:
 # ). The larger of the sm_90a and sm_120a figures (fp16 and bf16 are equal). Shared memory and
 # threads are the kernels' own constants (TileConfig / MlaTile); a stale register figure only
 # mis-sizes the splits, never breaks a launch.
-CUDA_TREE_VERIFY_REGS = {64: 164, 128: 242, 256: 255}  # head dim -> registers
+CUDA_TREE_VERIFY_REGS = {64: 156, 128: 243, 256: 255}  # head dim -> registers
 CUDA_MLA_REGS = {16: 250, 32: 233}  # BLOCK_M (mla_block_m) -> registers
 _CUDA_THREADS = 128  # kWarps = 4 in both kernels
 

@@ -52,8 +52,10 @@ MUTANTS = {
     "tail_mask_off_by_one": (TV, "tail mask bit pos - prefix_len + 1",
                              "min(pos - prefix_len, 63)", "min(pos - prefix_len + 1, 63)"),
     "live_only_when_full": (TV, "a warp skips a tile unless all its keys of it are before the end",
-                            "const bool live = end - base > key0;",
-                            "const bool live = end - base >= key0 + keys_per_warp;"),
+                            "const bool live = end - base > key0 &&",
+                            "const bool live = end - base >= key0 + keys_per_warp &&"),
+    "live_rows_off_by_16": (TV, "a warp skips its tiles when its first row is within 16 of rows_here",
+                            "wm * 16 < rows_here;", "wm * 16 + 16 < rows_here;"),
 }
 
 
