@@ -35,6 +35,14 @@ def test_chain_depth_counts_a_load_whose_address_comes_from_a_global_load():
     assert chain_depth(body) == 1
 
 
+def test_spill_bytes_are_the_bytes_stl_stores():
+    # ptxas spills into the stack frame (cuobjdump -res-usage LOCAL stays 0): count the STL stores.
+    body = [_ins(0x00, "STL [R1+0x4], R3"), _ins(0x10, "STL.64 [R1+0x8], R4"), _ins(0x20, "STS [R2], R3"),
+            _ins(0x30, "STG.E desc[UR4][R6.64], R3"), _ins(0x40, "LDL R5, [R1+0x4]")]
+    assert sass_report.spill_store_bytes(body) == 12
+    assert sass_report.spill_store_bytes(body[2:]) == 0
+
+
 def test_chain_depth_carried_over_the_back_edge():
     # The index loaded at the end of one iteration feeds the next iteration's gather.
     body = [_ins(0x00, "IMAD.WIDE R6, R2, 0x4, R8"),

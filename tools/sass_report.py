@@ -8,9 +8,11 @@ extension's own nvcc flags (tools/ptxsim/build.py: nvcc_flags(arch), with -cubin
 in a temporary directory, then read back with cuobjdump (-res-usage and -sass; the one shipped in
 the Triton wheel, triton/backends/nvidia/bin, or the toolkit's). Reported per kernel and arch:
 
-* registers per thread, spill / local bytes (cuobjdump -res-usage LOCAL) and static shared memory
-  (SHARED). The kernels declare only dynamic shared memory; on sm_90 and later SHARED still reads
-  1024: the 1 KB the runtime reserves per CTA, which the occupancy below counts once;
+* registers per thread, spill bytes and static shared memory (SHARED). Spill bytes are the bytes
+  the function's STL instructions store (ptxas -v's "spill stores": ptxas spills into the stack
+  frame, so -res-usage LOCAL reads 0 while it spills; STACK is kept as `stack_bytes`) plus LOCAL
+  (local arrays). The kernels declare only dynamic shared memory; on sm_90 and later SHARED still
+  reads 1024: the 1 KB the runtime reserves per CTA, which the occupancy below counts once;
 * dynamic shared memory: the launch's third <<<>>> argument, TileConfig<D>::kSmemBytes (tree
   verify) and MlaTile<kMTiles>::kSmemBytes (MLA). Those constants are evaluated by the compiler
   itself: a probe translation unit includes the .cu and names `_SassReportShow<kSmemBytes>`, an
@@ -217,6 +219,12 @@ def _split_operands(s: str) -> list[str]:
     return out
 
 
+def spill_store_bytes(ins: list[Ins]) -> int:
+    """Bytes stored to local memory by the function's STL instructions (static, as ptxas -v counts
+    spill stores): 4 per 32-bit register, .64 / .128 wider."""
+    return sum(4 * _width(i.op) for i in ins if re.match(r"STL(\.|$)", i.op))
+
+
 # --------------------------------------------------------------------------- loop analysis
 def _width(op: str) -> int:
     for suffix, w in ((".128", 4), (".64", 2), (".WIDE", 2)):
@@ -328,6 +336,7 @@ class KernelRow:
     resident_ctas: Optional[int]
     device: str
     loop: Optional[dict] = field(default=None)
+    stack_bytes: int = 0
 
 
 def report(archs: list[str], rev: Optional[str] = None, sources=SOURCES, name_filter: str = "") -> list[KernelRow]:
@@ -360,9 +369,11 @@ def report(archs: list[str], rev: Optional[str] = None, sources=SOURCES, name_fi
                         # SHARED already holds the CTA's reserved 1 KB, which resident_ctas_per_sm adds.
                         static = max(0, u["SHARED"] - dev.smem_reserved_per_cta)
                         ctas = resident_ctas_per_sm(KernelResources(threads, u["REG"], static + dyn), dev)
-                    lp = kv_loop(funcs.get(mangled, []))
-                    rows.append(KernelRow(rel, name, arch, u["REG"], u.get("LOCAL", 0), u["SHARED"], dyn, threads,
-                                          ctas, dev.name, asdict(lp) if lp else None))
+                    body = funcs.get(mangled, [])
+                    lp = kv_loop(body)
+                    spill = spill_store_bytes(body) + u.get("LOCAL", 0)
+                    rows.append(KernelRow(rel, name, arch, u["REG"], spill, u["SHARED"], dyn, threads,
+                                          ctas, dev.name, asdict(lp) if lp else None, u.get("STACK", 0)))
     return rows
 
 
