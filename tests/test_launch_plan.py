@@ -37,8 +37,10 @@ def test_resident_ctas_follow_the_tightest_limit():
 
 def test_cuda_kernel_slots_match_the_kernels_constants():
     # TileConfig<128>: three K and three V stages of 64 keys = 96 KB (Q in registers) + the slot
-    # ids of 5 tiles; <64>: two stages + ids of 4 tiles; <256>: Q 64x256 + two 32-key stages + ids
-    assert lp.cuda_tree_verify_resources(128).smem_bytes == 98 * 1024 + 512
+    # ids of 4 tiles; <64>: two stages + ids; <256>: Q 64x256 + two 32-key stages + ids; the small
+    # decode configuration <128, true>: three stages of 32 keys + ids = 49 KB
+    assert lp.cuda_tree_verify_resources(128).smem_bytes == 98 * 1024
+    assert lp.cuda_tree_verify_resources(128, small=True).smem_bytes == 49 * 1024
     assert lp.cuda_tree_verify_resources(64).smem_bytes == 34 * 1024
     assert lp.cuda_tree_verify_resources(256).smem_bytes == 97 * 1024
     # MlaTile<1>: Q 16 rows + two 32-key stages = 90 KB, + P, row maxima, slot ids; MlaTile<2>: 32 + 3 x 16
@@ -49,6 +51,16 @@ def test_cuda_kernel_slots_match_the_kernels_constants():
     assert lp.resident_ctas_per_sm(k, h200) * h200.sms == 264
     assert lp.resident_ctas_per_sm(k, rtx) * rtx.sms == 188
 
+
+
+def test_small_decode_configuration_where_it_doubles_the_ctas():
+    h200, rtx = lp.DEVICES["h200"], lp.DEVICES["rtx-pro-6000"]
+    # sm_120: one 98 KB CTA per 100 KB SM, two of 49 KB (+ 1 KB reserved each); sm_90 holds two large
+    assert lp.cuda_tree_verify_small(128, 8, rtx) and not lp.cuda_tree_verify_small(128, 8, h200)
+    assert not lp.cuda_tree_verify_small(128, 32, rtx)  # more than 16 rows
+    assert not lp.cuda_tree_verify_small(64, 8, rtx)
+    assert lp.resident_ctas_per_sm(lp.cuda_tree_verify_kernel(128, 8)(rtx), rtx) == 2
+    assert lp.resident_ctas_per_sm(lp.cuda_tree_verify_kernel(128, 32)(rtx), rtx) == 1
 
 # --------------------------------------------------------------------------- the plans
 @pytest.mark.parametrize("impl", ["cuda", "triton"])

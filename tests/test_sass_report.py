@@ -13,7 +13,7 @@ sys.path.insert(0, REPO)
 from tools import sass_report  # noqa: E402
 from tools.sass_report import Ins, chain_depth, kv_loop  # noqa: E402
 
-KERNEL = "tree_verify_kernel<__half, 64>"
+KERNEL = "tree_verify_kernel<__half, 64, false>"
 
 
 def _ins(addr, text, guard=""):

@@ -66,7 +66,8 @@ from tools.ptxsim.build import CUDA_ARCHS, find_nvcc, nvcc_flags  # noqa: E402
 SOURCES = ("csrc/tree_verify/tree_verify_attention.cu", "csrc/mla/mla_tree_verify_attention.cu")
 # The compile-time constant each kernel launches with as dynamic shared memory, per instance.
 SMEM_EXPRS = {
-    "tree_verify_kernel": ("TileConfig<{D}>::kSmemBytes", ("64", "128", "256")),
+    "tree_verify_kernel": ("TileConfig<{D}>::kSmemBytes", ("64, false", "128, false", "256, false",
+                                                           "128, true")),
     "mla_tree_verify_kernel": ("MlaTile<{D}>::kSmemBytes", ("1", "2")),
 }
 # Threads per CTA of each kernel's launch (kThreads = kWarps * 32 = 128; merges: the literal).
@@ -358,8 +359,8 @@ def report(archs: list[str], rev: Optional[str] = None, sources=SOURCES, name_fi
                     if name_filter and name_filter not in name:
                         continue
                     base = re.match(r"\w+", name).group(0)
-                    params = re.findall(r"(\d+)>?$", name.replace(" ", ""))
-                    dyn = smem.get(f"{base}/{params[0]}") if params and base in SMEM_EXPRS else (
+                    params = re.search(r"<[^,<>]+,\s*([^<>]+)>$", name)  # the template arguments after T
+                    dyn = smem.get(f"{base}/{params.group(1)}") if params and base in SMEM_EXPRS else (
                         0 if base in THREADS else None)
                     u = usage[mangled]
                     threads = THREADS.get(base, 128)

@@ -29,41 +29,48 @@ namespace {
 
 constexpr int kWarps = 4;
 constexpr int kThreads = kWarps * 32;
-constexpr int kBlockM = kTreeVerifyBlockM;
 
-template <int D>
+// kSmall: the decode configuration (at most 16 rows, D = 128): 32-key stages and 32 Q rows, 49 KB,
+// so that two CTAs share an SM whose shared memory holds one of the 98 KB configuration (sm_120).
+template <int D, bool kSmall = false>
 struct TileConfig {
-  static constexpr int kChunks = D / 8;                 // 16-byte chunks per row
-  static constexpr int kStageKeys = D >= 256 ? 32 : 64;  // keys per pipeline stage
-  static constexpr int kMaxWarpsN = kStageKeys / 16;     // a warp takes >= 16 keys of a stage
-  static constexpr int kMaxNTiles = kStageKeys / 8;      // n8 key tiles of one warp (warps_n = 1)
-  static constexpr int kDvTiles = D / 8;                 // n8 tiles of the output row
+  static_assert(!kSmall || D == 128, "the small configuration is the D = 128 decode one");
+  static constexpr int kBlockM = kSmall ? 32 : kTreeVerifyBlockM;  // query rows of a CTA
+  static constexpr int kChunks = D / 8;                            // 16-byte chunks per row
+  static constexpr int kStageKeys = kSmall || D >= 256 ? 32 : 64;   // keys per pipeline stage
+  static constexpr int kMaxWarpsN = kStageKeys / 16;               // a warp takes >= 16 keys of a stage
+  static constexpr int kMaxNTiles = kStageKeys / 8;                // n8 key tiles of one warp (warps_n = 1)
+  static constexpr int kDvTiles = D / 8;                           // n8 tiles of the output row
   // Q fragments stay in registers across tiles where they fit (D / 4 registers per thread); the
   // Q tile is then only staged once, in the last K stage.
   static constexpr bool kQInRegs = D <= 128;
   // K/V pipeline stages: three where sm_120's 99 KB hold them.
   static constexpr int kStages = D == 128 ? 3 : 2;
-  // Slot ids of the tiles in flight (8 bytes each, int32 or int64 as given): 2 x kStages - 1 in
-  // the prologue (4 for two stages, as a power of two).
-  static constexpr int kIdxStages = kStages == 2 ? 4 : 2 * kStages - 1;
+  // Slot ids of 4 tiles (8 bytes each, int32 or int64 as given): those of the kStages - 1 tiles
+  // being gathered and of the next kStages (the prologue waits at a barrier before reusing a cell).
+  static constexpr int kIdxStages = 4;
   static constexpr int kIdxBytes = kIdxStages * kStageKeys * 8;
   static constexpr int kQElems = kQInRegs ? 0 : kBlockM * D;
-  // [Q tile] + kStages K + kStages V stages + slot ids: 34 KB (D=64), 98.5 KB (D=128), 97 KB (D=256).
+  // [Q tile] + kStages K + kStages V stages + slot ids: 34 KB (D=64), 98 KB (D=128; small: 49 KB),
+  // 97 KB (D=256).
   static constexpr int kSmemBytes = (kQElems + 2 * kStages * kStageKeys * D) * 2 + kIdxBytes;
   static_assert(!kQInRegs || kBlockM <= kStageKeys, "the Q tile is staged in one K stage");
+  static_assert(kIdxStages >= kStages + 1, "the ids of kStages tiles are pending while a tile's are read");
   // CTAs per SM the registers must allow (__launch_bounds__): 3 at D=64 (4 would cap it at 128
-  // registers and spill); 1 above, where shared memory allows 1-2 anyway and a lower register
-  // target makes ptxas recompute tile addresses in the KV loop.
-  static constexpr int kMinCtasPerSm = D == 64 ? 3 : 1;
+  // registers and spill); 2 for the small configuration; else 1, where shared memory allows 1-2
+  // anyway and a lower register target makes ptxas recompute tile addresses in the KV loop.
+  static constexpr int kMinCtasPerSm = D == 64 ? 3 : kSmall ? 2 : 1;
   // The end-of-loop merge reuses that memory: per warp, per lane, the accumulators + m, l.
   static constexpr int kMergeFloats = kDvTiles * 4 + 4;
   static_assert(kWarps * kMergeFloats * 32 * 4 <= kSmemBytes, "merge buffer must fit");
   static_assert(kSmemBytes <= 99 * 1024, "sm_120 allows 99 KB of shared memory per block");
 };
 
-template <typename T, int D>
-__global__ void __launch_bounds__(kThreads, TileConfig<D>::kMinCtasPerSm) tree_verify_kernel(const TreeVerifyParams p) {
-  using Cfg = TileConfig<D>;
+template <typename T, int D, bool kSmall>
+__global__ void __launch_bounds__(kThreads, TileConfig<D, kSmall>::kMinCtasPerSm)
+    tree_verify_kernel(const TreeVerifyParams p) {
+  using Cfg = TileConfig<D, kSmall>;
+  constexpr int kBlockM = Cfg::kBlockM;
   constexpr int kChunks = Cfg::kChunks;
   constexpr int kStageKeys = Cfg::kStageKeys;
   constexpr int kStages = Cfg::kStages;
@@ -184,13 +191,17 @@ __global__ void __launch_bounds__(kThreads, TileConfig<D>::kMinCtasPerSm) tree_v
 
   // Slot ids of tiles 0 .. kStages-1 (with Q), visible to every thread before the first gathers;
   // from then on tile u's ids travel with tile u - kStages's K/V, so they have been waited for
-  // and passed a barrier when tile u's gather is issued. One commit group per tile, even empty.
+  // and passed a barrier when tile u's gather is issued. One commit group per tile, even empty
+  // (with three stages, tiles 0 and 1 share the first).
   for (int u = 0; u < kStages; ++u) load_indices(u);
   cp_async_commit();
   cp_async_wait<0>();
   __syncthreads();
+  for (int u = 0; u < kStages - 1; ++u) load_tile(u, u);
+  // The ids of tiles kStages .. 2 kStages - 2 go to the cells of tiles 0 .. once every thread has
+  // read those (more than kIdxStages ids in the prologue: three stages).
+  if constexpr (2 * kStages - 1 > Cfg::kIdxStages) __syncthreads();
   for (int u = 0; u < kStages - 1; ++u) {
-    load_tile(u, u);
     load_indices(u + kStages);
     cp_async_commit();
   }
@@ -410,39 +421,74 @@ __global__ void merge_splits_kernel(const TreeVerifyParams p) {
                   p.head_dim, static_cast<T*>(p.out) + token * p.o_stride_t + head * p.o_stride_h, p.lse);
 }
 
-// Devices whose shared-memory opt-in is remembered; a device past them opts in on every launch.
+// Devices whose launch facts are remembered; a device past them queries on every launch.
 constexpr int kMaxCachedDevices = 64;
 
-// Opts tree_verify_kernel<T, D> in to more than 48 KB of dynamic shared memory, once per device
-// (the attribute is per device and kernel). cudaFuncSetAttribute is not a stream operation, so
-// this also runs during CUDA-graph capture; two threads racing here both set the same value.
-template <typename T, int D>
-cudaError_t opt_in_shared_memory() {
-  constexpr int kSmem = TileConfig<D>::kSmemBytes;
+// Opts tree_verify_kernel<T, D, kSmall> in to more than 48 KB of dynamic shared memory, once per
+// device (the attribute is per device and kernel). cudaFuncSetAttribute is not a stream operation,
+// so this also runs during CUDA-graph capture; two threads racing here both set the same value.
+template <typename T, int D, bool kSmall>
+cudaError_t opt_in_shared_memory(int device) {
+  constexpr int kSmem = TileConfig<D, kSmall>::kSmemBytes;
   if (kSmem <= 48 * 1024) return cudaSuccess;  // within the default limit
   static std::atomic<bool> done[kMaxCachedDevices];  // static storage: all false at start
-  int device = 0;
-  cudaError_t err = cudaGetDevice(&device);
-  if (err != cudaSuccess) return err;
   const bool cached = device >= 0 && device < kMaxCachedDevices;
   if (cached && done[device].load(std::memory_order_acquire)) return cudaSuccess;
-  err = cudaFuncSetAttribute(tree_verify_kernel<T, D>, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmem);
+  const cudaError_t err =
+      cudaFuncSetAttribute(tree_verify_kernel<T, D, kSmall>, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmem);
   if (err == cudaSuccess && cached) done[device].store(true, std::memory_order_release);
   return err;
 }
 
-template <typename T, int D>
-cudaError_t launch(const TreeVerifyParams& p, cudaStream_t stream) {
-  constexpr int kSmem = TileConfig<D>::kSmemBytes;
-  const cudaError_t attr_err = opt_in_shared_memory<T, D>();
+// Whether the small D = 128 configuration fits twice on one of the device's SMs where the large
+// one does not (sm_120: 100 KB per SM), once per device.
+cudaError_t small_config_doubles_ctas(int device, bool& yes) {
+  static std::atomic<int> known[kMaxCachedDevices];  // 0: not yet asked, 1: no, 2: yes
+  const bool cached = device >= 0 && device < kMaxCachedDevices;
+  const int k = cached ? known[device].load(std::memory_order_acquire) : 0;
+  if (k != 0) {
+    yes = k == 2;
+    return cudaSuccess;
+  }
+  int per_sm = 0, reserved = 0;
+  cudaError_t err = cudaDeviceGetAttribute(&per_sm, cudaDevAttrMaxSharedMemoryPerMultiprocessor, device);
+  if (err == cudaSuccess) err = cudaDeviceGetAttribute(&reserved, cudaDevAttrReservedSharedMemoryPerBlock, device);
+  if (err != cudaSuccess) return err;
+  constexpr int kLarge = TileConfig<128>::kSmemBytes, kSmall = TileConfig<128, true>::kSmemBytes;
+  yes = 2 * (kLarge + reserved) > per_sm && 2 * (kSmall + reserved) <= per_sm;
+  if (cached) known[device].store(yes ? 2 : 1, std::memory_order_release);
+  return cudaSuccess;
+}
+
+template <typename T, int D, bool kSmall>
+cudaError_t launch_config(const TreeVerifyParams& p, int device, cudaStream_t stream) {
+  using Cfg = TileConfig<D, kSmall>;
+  const cudaError_t attr_err = opt_in_shared_memory<T, D, kSmall>(device);
   if (attr_err != cudaSuccess) return attr_err;
-  const int m_blocks = (p.max_rows + kBlockM - 1) / kBlockM;
+  const int m_blocks = (p.max_rows + Cfg::kBlockM - 1) / Cfg::kBlockM;
   const dim3 grid(static_cast<unsigned>(p.num_requests) * p.num_kv_heads * m_blocks, p.num_splits);
-  tree_verify_kernel<T, D><<<grid, kThreads, kSmem, stream>>>(p);
+  tree_verify_kernel<T, D, kSmall><<<grid, kThreads, Cfg::kSmemBytes, stream>>>(p);
   cudaError_t err = cudaGetLastError();
   if (err != cudaSuccess || p.num_splits == 1) return err;
   merge_splits_kernel<T><<<p.num_tokens * p.num_q_heads, 64, 0, stream>>>(p);
   return cudaGetLastError();
+}
+
+template <typename T, int D>
+cudaError_t launch(const TreeVerifyParams& p, cudaStream_t stream) {
+  int device = 0;
+  const cudaError_t err = cudaGetDevice(&device);
+  if (err != cudaSuccess) return err;
+  if constexpr (D == 128) {
+    // Decode (<= 16 rows) takes the small configuration where it doubles the CTAs per SM.
+    bool small = false;
+    if (p.max_rows <= 16) {
+      const cudaError_t q_err = small_config_doubles_ctas(device, small);
+      if (q_err != cudaSuccess) return q_err;
+    }
+    if (small) return launch_config<T, D, true>(p, device, stream);
+  }
+  return launch_config<T, D, false>(p, device, stream);
 }
 
 template <typename T>

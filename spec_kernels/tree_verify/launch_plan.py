@@ -122,20 +122,37 @@ class KernelResources:
 # threads are the kernels' own constants (TileConfig / MlaTile); a stale register figure only
 # mis-sizes the splits, never breaks a launch.
 CUDA_TREE_VERIFY_REGS = {64: 156, 128: 243, 256: 255}  # head dim -> registers
+CUDA_TREE_VERIFY_SMALL_REGS = 190  # the small D = 128 decode configuration (TileConfig<128, true>)
 CUDA_MLA_REGS = {16: 250, 32: 233}  # BLOCK_M (mla_block_m) -> registers
 _CUDA_THREADS = 128  # kWarps = 4 in both kernels
 
 
-def cuda_tree_verify_resources(head_dim: int) -> KernelResources:
+def cuda_tree_verify_resources(head_dim: int, small: bool = False) -> KernelResources:
     """csrc/tree_verify/tree_verify_attention.cu (TileConfig::kSmemBytes): K and V stages (three at
-    D = 128, else two), the Q tile (D > 128; at D <= 128 Q lives in registers, staged in a K
-    stage) and the slot ids of 4 tiles (two stages) or 2 x stages - 1."""
-    stage_keys = 32 if head_dim >= 256 else 64
+    D = 128, else two) of 64 keys (32 at D = 256 and in the small configuration), the Q tile
+    (D > 128; at D <= 128 Q lives in registers, staged in a K stage) and the slot ids of 4 tiles."""
+    stage_keys = 32 if small or head_dim >= 256 else 64
     stages = 3 if head_dim == 128 else 2
     q_elems = 0 if head_dim <= 128 else 64 * head_dim
-    id_tiles = 4 if stages == 2 else 2 * stages - 1
-    smem = (q_elems + 2 * stages * stage_keys * head_dim) * 2 + id_tiles * stage_keys * 8
-    return KernelResources(_CUDA_THREADS, CUDA_TREE_VERIFY_REGS.get(head_dim, 255), smem)
+    smem = (q_elems + 2 * stages * stage_keys * head_dim) * 2 + 4 * stage_keys * 8
+    regs = CUDA_TREE_VERIFY_SMALL_REGS if small else CUDA_TREE_VERIFY_REGS.get(head_dim, 255)
+    return KernelResources(_CUDA_THREADS, regs, smem)
+
+
+def cuda_tree_verify_small(head_dim: int, rows: int, limits: DeviceLimits) -> bool:
+    """Whether the CUDA launch takes the small decode configuration (tree_verify_attention.cu
+    launch()): D = 128, at most 16 rows, and two of it fit on an SM where two large ones do not."""
+    if head_dim != 128 or rows > 16:
+        return False
+    per_cta = limits.smem_reserved_per_cta
+    large = cuda_tree_verify_resources(128).smem_bytes + per_cta
+    small = cuda_tree_verify_resources(128, True).smem_bytes + per_cta
+    return 2 * large > limits.smem_per_sm and 2 * small <= limits.smem_per_sm
+
+
+def cuda_tree_verify_kernel(head_dim: int, rows: int) -> Callable[[DeviceLimits], KernelResources]:
+    """The resources of the configuration a launch of `rows` (max_rows) takes on a device."""
+    return lambda limits: cuda_tree_verify_resources(head_dim, cuda_tree_verify_small(head_dim, rows, limits))
 
 
 def cuda_mla_resources(block_m: int) -> KernelResources:
@@ -337,7 +354,8 @@ def plan_shape(shape: Shape, limits: DeviceLimits, impl: str = "cuda") -> tuple[
             block_m = 16 if grid_rows <= 16 else 32
             kernel = cuda_mla_resources(block_m)
         else:
-            block_m, kernel = 64, cuda_tree_verify_resources(shape.head_dim)
+            small = cuda_tree_verify_small(shape.head_dim, grid_rows, limits)
+            block_m, kernel = (32 if small else 64), cuda_tree_verify_resources(shape.head_dim, small)
     else:
         block_m, kernel = _triton_tile(shape, limits)
     prefix = mean_prefix(shape.B * (shape.L + shape.n), shape.B, rows, group)  # kv_indices: L + n slots each

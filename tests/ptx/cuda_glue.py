@@ -149,15 +149,22 @@ class PtxCudaOps:
         raw = bytes(p)
         mod = self._module("tree_verify/tree_verify_attention.cu")
         tname = "13__nv_bfloat16" if q.dtype == torch.bfloat16 else "6__half"
-        # launch(): TileConfig<D>::kSmemBytes, 4 warps, 64 rows per CTA: [Q tile, D > 128 only] +
-        # stages x (K + V) of stage_keys rows + the slot ids of 4 (2 stages) or 2 x stages - 1 tiles
-        stage_keys = 32 if D >= 256 else 64
+        # launch(): the small configuration (32 rows, 32-key stages) at D = 128 and max_rows <= 16
+        # when two of it fit on an SM where two large ones do not (sm_120: 100 KB per SM, 1 KB of
+        # it reserved per CTA); TileConfig<D, small>::kSmemBytes, 4 warps: [Q tile, D > 128 only] +
+        # 3 (D = 128) or 2 stages x (K + V) of stage_keys rows + the slot ids of 4 tiles
+        per_sm = 100 * 1024 if "120" in self.arch else 228 * 1024
+        large = (2 * 3 * 64 * 128) * 2 + 4 * 64 * 8 + 1024
+        small_cfg = (2 * 3 * 32 * 128) * 2 + 4 * 32 * 8 + 1024
+        small = D == 128 and max_rows <= 16 and 2 * large > per_sm and 2 * small_cfg <= per_sm
+        block_m = 32 if small else 64
+        stage_keys = 32 if small or D >= 256 else 64
         stages = 3 if D == 128 else 2
         q_elems = 0 if D <= 128 else 64 * D
-        id_tiles = 4 if stages == 2 else 2 * stages - 1
-        smem = (q_elems + 2 * stages * stage_keys * D) * 2 + id_tiles * stage_keys * 8
-        m_blocks = -(-max_rows // 64)
-        self._run(m, mod, f"tree_verify_kernelI{tname}Li{D}E", (B * Hkv * m_blocks, num_splits), (128,), [raw], smem)
+        smem = (q_elems + 2 * stages * stage_keys * D) * 2 + 4 * stage_keys * 8
+        m_blocks = -(-max_rows // block_m)
+        self._run(m, mod, f"tree_verify_kernelI{tname}Li{D}ELb{int(small)}E", (B * Hkv * m_blocks, num_splits),
+                  (128,), [raw], smem)
         if num_splits > 1:
             self._run(m, mod, f"merge_splits_kernelI{tname}E", (T * Hq,), (64,), [raw])
         buf.copy_back()

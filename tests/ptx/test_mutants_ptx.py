@@ -43,8 +43,8 @@ MUTANTS = {
                          "  // tile t has landed\n    __syncthreads();", "  // tile t has landed\n"),
     "no_sync_after_q_fragments": (TV, "no __syncthreads between reading Q into registers and refilling its stage",
                                   "    __syncthreads();  // the Q tile is K stage", "    // the Q tile is K stage"),
-    "id_ring_one_short": (TV, "slot-id ring of 2 x stages - 2 tiles (three stages)",
-                          "2 * kStages - 1;\n", "2 * kStages - 2;\n"),
+    "no_prologue_id_barrier": (TV, "three stages: the prologue reuses tile 0's id cells with no barrier",
+                               "if constexpr (2 * kStages - 1 > Cfg::kIdxStages) __syncthreads();", ""),
     "ids_one_tile_late": (TV, "tile u's slot ids travel with tile u - stages + 1's K/V",
                           "load_indices(t + 2 * kStages - 1);", "load_indices(t + 2 * kStages - 2);"),
     "no_loop_end_sync": (TV, "no __syncthreads at the end of the tile loop",
@@ -74,7 +74,7 @@ def patched(path, old, new):
 
 def run_tree_verify(ops):
     # More KV tiles per split than stages (prefetch into a stage read before; D = 64: two stages,
-    # D = 128: three, and 5 tiles in each split to wrap the 5-tile slot-id ring), a tree tail,
+    # D = 128: three, and 5 tiles in each split to wrap the 4-tile slot-id ring), a tree tail,
     # 4 query heads per KV head (warps_n > 1 so the merge runs), forced 2 splits (the combine); the
     # third request has no prefix, so its first split has no tile at all and goes from the Q load
     # straight to the merge

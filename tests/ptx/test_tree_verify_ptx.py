@@ -83,10 +83,26 @@ def test_tree_verify_matches_reference(ns, prefixes, hq, hkv, d, dtype, kind, sp
     assert ("merge_splits" in " ".join(names)) == (splits > 1)
 
 
-@pytest.mark.parametrize("dtype,splits,d", [(torch.bfloat16, 0, 64), (torch.float16, 2, 64), (torch.bfloat16, 0, 128)])
+@pytest.mark.parametrize("dtype,splits,d", [(torch.bfloat16, 0, 64), (torch.float16, 2, 64), (torch.bfloat16, 0, 128),
+                                            (torch.float16, 2, 128)])
 def test_decode_matches_reference(dtype, splits, d):
     case = make_case([1, 1, 1], [9, 66, 1 if d == 64 else 260], hq=8, hkv=2, d=d, dtype=dtype, seed=3)
-    check(case, dtype, decode=True, splits=splits)
+    ops = check(case, dtype, decode=True, splits=splits)
+    # sm_120 (100 KB per SM): D = 128 decode takes the small configuration (two CTAs per SM)
+    small = [l[0] for l in ops.launches if l[0].startswith("tree_verify_kernel")][0].endswith("Lb1E")
+    assert small == (d == 128)
+
+
+def test_decode_sm90a_large_configuration():
+    """sm_90a (228 KB per SM) keeps the large D = 128 configuration for decode: 4 warps on 16 keys
+    each of a 64-key stage."""
+    case = make_case([1, 1], [300, 5], hq=8, hkv=1, d=128, dtype=torch.bfloat16, seed=4)
+    ops = PtxCudaOps(arch="sm_90a")
+    out, lse = run_ptx(case, ops, decode=True)
+    assert [l[0] for l in ops.launches] == ["tree_verify_kernelI13__nv_bfloat16Li128ELb0E"]
+    ref, ref_lse = reference(case, decode=True)
+    torch.testing.assert_close(out.float(), ref.float(), atol=TOL[torch.bfloat16], rtol=TOL[torch.bfloat16])
+    torch.testing.assert_close(lse, ref_lse.float(), atol=1e-4, rtol=1e-4)
 
 
 def test_nan_in_attended_key_gives_nan_row_only():
