@@ -84,6 +84,12 @@ def run_tree_verify(ops):
         ref, ref_lse = tv.reference(case)
         torch.testing.assert_close(out.float(), ref.float(), atol=2e-2, rtol=2e-2, equal_nan=True)
         torch.testing.assert_close(lse, ref_lse.float(), atol=1e-4, rtol=1e-4, equal_nan=True)
+    # Decode at D = 128: sm_120's small configuration (32-key stages), 9 tiles in the last split
+    case = make_case([1, 1], [300, 40], hq=8, hkv=2, d=128, dtype=torch.bfloat16, seed=12)
+    out, lse = tv.run_ptx(case, ops, decode=True, splits=2)
+    ref, ref_lse = tv.reference(case, decode=True)
+    torch.testing.assert_close(out.float(), ref.float(), atol=2e-2, rtol=2e-2, equal_nan=True)
+    torch.testing.assert_close(lse, ref_lse.float(), atol=1e-4, rtol=1e-4, equal_nan=True)
 
 
 def test_unmutated_case_passes():
