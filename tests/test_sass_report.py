@@ -92,3 +92,28 @@ def test_report_on_the_tree_verify_kernel(tmp_path):
     # from a shared load, so a tile waits for one global round trip, not an index load first.
     assert lp["round_trips"] == 1
     assert lp["carried"] == 1
+
+
+def test_report_on_the_mla_kernel_meets_its_targets(tmp_path):
+    """Regression guard on the MLA verify kernel's SASS (sm_120a): no spills, one dependent global
+    round trip per KV tile, <= 99 KB of shared memory, and the inner loop tensor-core bound: at
+    most 8 SASS instructions per HMMA (32-row CTAs: H = 16 heads x n = 16 drafts in two CTAs; the
+    16-row decode CTAs too)."""
+    if sass_report.find_nvcc() is None:
+        pytest.skip("nvcc not found (set CUDA_HOME): the report compiles csrc/ to cubins")
+    if sass_report.find_cuobjdump() is None:
+        pytest.skip("cuobjdump not found (shipped in the Triton wheel's backends/nvidia/bin, or a CUDA toolkit)")
+    out = tmp_path / "sass.json"
+    done = subprocess.run([sys.executable, os.path.join(REPO, "tools", "sass_report.py"), "--arch", "sm_120a",
+                           "--source", "csrc/mla/mla_tree_verify_attention.cu", "--filter", "mla_tree_verify_kernel",
+                           "--json", str(out)], capture_output=True, text=True, timeout=300, cwd=REPO)
+    assert done.returncode == 0, done.stderr[-3000:]
+    rows = json.loads(out.read_text())
+    assert {r["kernel"] for r in rows} >= {"mla_tree_verify_kernel<__nv_bfloat16, 1>",
+                                           "mla_tree_verify_kernel<__nv_bfloat16, 2>"}
+    for row in rows:
+        assert row["spill_bytes"] == 0, row
+        assert row["static_smem"] + row["dynamic_smem"] <= 99 * 1024, row
+        lp = row["loop"]
+        assert lp is not None and lp["hmma"] > 0 and lp["round_trips"] <= 1, row
+        assert lp["per_hmma"] <= 8.0, f"{row['kernel']}: {lp['per_hmma']} SASS instructions per HMMA in the KV loop"
