@@ -66,20 +66,25 @@ def test_kv_loop_is_the_innermost_backward_branch_with_hmma_and_ldgsts():
     assert lp.per_hmma == 3.0
 
 
-def test_report_on_the_tree_verify_kernel(tmp_path):
+def _run_report(tmp_path, source, kernel_filter):
+    """tools/sass_report.py on one .cu for sm_120a: (its rows from --json, its stdout)."""
     if sass_report.find_nvcc() is None:
         pytest.skip("nvcc not found (set CUDA_HOME): the report compiles csrc/ to cubins")
     if sass_report.find_cuobjdump() is None:
         pytest.skip("cuobjdump not found (shipped in the Triton wheel's backends/nvidia/bin, or a CUDA toolkit)")
     out = tmp_path / "sass.json"
     done = subprocess.run([sys.executable, os.path.join(REPO, "tools", "sass_report.py"), "--arch", "sm_120a",
-                           "--source", "csrc/tree_verify/tree_verify_attention.cu", "--filter", KERNEL,
-                           "--json", str(out)], capture_output=True, text=True, timeout=300, cwd=REPO)
+                           "--source", source, "--filter", kernel_filter, "--json", str(out)],
+                          capture_output=True, text=True, timeout=300, cwd=REPO)
     assert done.returncode == 0, done.stderr[-3000:]
-    rows = json.loads(out.read_text())
+    return json.loads(out.read_text()), done.stdout
+
+
+def test_report_on_the_tree_verify_kernel(tmp_path):
+    rows, stdout = _run_report(tmp_path, "csrc/tree_verify/tree_verify_attention.cu", KERNEL)
     assert [r["kernel"] for r in rows] == [KERNEL]
     (row,) = rows
-    assert KERNEL in done.stdout
+    assert KERNEL in stdout
     assert 0 < row["registers"] <= 255
     assert row["spill_bytes"] == 0
     # TileConfig<64>: two K / V stages of 64 keys (Q staged in one) + the slot-id ring, under 99 KB.
@@ -99,16 +104,7 @@ def test_report_on_the_mla_kernel_meets_its_targets(tmp_path):
     round trip per KV tile, <= 99 KB of shared memory, and the inner loop tensor-core bound: at
     most 8 SASS instructions per HMMA (32-row CTAs: H = 16 heads x n = 16 drafts in two CTAs; the
     16-row decode CTAs too)."""
-    if sass_report.find_nvcc() is None:
-        pytest.skip("nvcc not found (set CUDA_HOME): the report compiles csrc/ to cubins")
-    if sass_report.find_cuobjdump() is None:
-        pytest.skip("cuobjdump not found (shipped in the Triton wheel's backends/nvidia/bin, or a CUDA toolkit)")
-    out = tmp_path / "sass.json"
-    done = subprocess.run([sys.executable, os.path.join(REPO, "tools", "sass_report.py"), "--arch", "sm_120a",
-                           "--source", "csrc/mla/mla_tree_verify_attention.cu", "--filter", "mla_tree_verify_kernel",
-                           "--json", str(out)], capture_output=True, text=True, timeout=300, cwd=REPO)
-    assert done.returncode == 0, done.stderr[-3000:]
-    rows = json.loads(out.read_text())
+    rows, _ = _run_report(tmp_path, "csrc/mla/mla_tree_verify_attention.cu", "mla_tree_verify_kernel")
     assert {r["kernel"] for r in rows} >= {"mla_tree_verify_kernel<__nv_bfloat16, 1>",
                                            "mla_tree_verify_kernel<__nv_bfloat16, 2>"}
     for row in rows:
