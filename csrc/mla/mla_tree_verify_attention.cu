@@ -38,6 +38,7 @@
 
 #include "spec_kernels/mla.h"
 #include "spec_kernels/kv_index.cuh"
+#include "spec_kernels/launch_once.cuh"
 #include "spec_kernels/mma.cuh"
 #include "spec_kernels/split_merge.cuh"
 
@@ -473,10 +474,10 @@ __global__ void mla_merge_splits_kernel(const MlaParams p) {
 template <typename T, int kMTiles>
 cudaError_t launch(const MlaParams& p, cudaStream_t stream) {
   constexpr int kSmem = MlaTile<kMTiles>::kSmemBytes;
-  // Opt in to > 48 KB of dynamic shared memory (per device, so on every launch; not a stream
-  // operation, so also allowed while a CUDA graph is being captured).
-  const cudaError_t attr_err =
-      cudaFuncSetAttribute(mla_tree_verify_kernel<T, kMTiles>, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmem);
+  int device = 0;
+  const cudaError_t dev_err = cudaGetDevice(&device);
+  if (dev_err != cudaSuccess) return dev_err;
+  const cudaError_t attr_err = opt_in_dynamic_smem_once<mla_tree_verify_kernel<T, kMTiles>, kSmem>(device);
   if (attr_err != cudaSuccess) return attr_err;
   const int m_blocks = (p.max_rows + 16 * kMTiles - 1) / (16 * kMTiles);
   const dim3 grid(static_cast<unsigned>(p.num_requests) * m_blocks, p.num_splits);

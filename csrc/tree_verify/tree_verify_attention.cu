@@ -20,6 +20,7 @@
 #include <cfloat>
 
 #include "spec_kernels/kv_index.cuh"
+#include "spec_kernels/launch_once.cuh"
 #include "spec_kernels/mma.cuh"
 #include "spec_kernels/split_merge.cuh"
 #include "spec_kernels/tree_verify.h"
@@ -421,25 +422,6 @@ __global__ void merge_splits_kernel(const TreeVerifyParams p) {
                   p.head_dim, static_cast<T*>(p.out) + token * p.o_stride_t + head * p.o_stride_h, p.lse);
 }
 
-// Devices whose launch facts are remembered; a device past them queries on every launch.
-constexpr int kMaxCachedDevices = 64;
-
-// Opts tree_verify_kernel<T, D, kSmall> in to more than 48 KB of dynamic shared memory, once per
-// device (the attribute is per device and kernel). cudaFuncSetAttribute is not a stream operation,
-// so this also runs during CUDA-graph capture; two threads racing here both set the same value.
-template <typename T, int D, bool kSmall>
-cudaError_t opt_in_shared_memory(int device) {
-  constexpr int kSmem = TileConfig<D, kSmall>::kSmemBytes;
-  if (kSmem <= 48 * 1024) return cudaSuccess;  // within the default limit
-  static std::atomic<bool> done[kMaxCachedDevices];  // static storage: all false at start
-  const bool cached = device >= 0 && device < kMaxCachedDevices;
-  if (cached && done[device].load(std::memory_order_acquire)) return cudaSuccess;
-  const cudaError_t err =
-      cudaFuncSetAttribute(tree_verify_kernel<T, D, kSmall>, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmem);
-  if (err == cudaSuccess && cached) done[device].store(true, std::memory_order_release);
-  return err;
-}
-
 // Whether the small D = 128 configuration fits twice on one of the device's SMs where the large
 // one does not (sm_120: 100 KB per SM), once per device.
 cudaError_t small_config_doubles_ctas(int device, bool& yes) {
@@ -463,7 +445,7 @@ cudaError_t small_config_doubles_ctas(int device, bool& yes) {
 template <typename T, int D, bool kSmall>
 cudaError_t launch_config(const TreeVerifyParams& p, int device, cudaStream_t stream) {
   using Cfg = TileConfig<D, kSmall>;
-  const cudaError_t attr_err = opt_in_shared_memory<T, D, kSmall>(device);
+  const cudaError_t attr_err = opt_in_dynamic_smem_once<tree_verify_kernel<T, D, kSmall>, Cfg::kSmemBytes>(device);
   if (attr_err != cudaSuccess) return attr_err;
   const int m_blocks = (p.max_rows + Cfg::kBlockM - 1) / Cfg::kBlockM;
   const dim3 grid(static_cast<unsigned>(p.num_requests) * p.num_kv_heads * m_blocks, p.num_splits);

@@ -1,0 +1,28 @@
+// Host-side launch facts remembered per device, so that a launch does not repeat a CUDA query or
+// attribute call (each costs host time on every decode step).
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include <atomic>
+
+namespace spec_kernels {
+
+// Devices whose launch facts are remembered; a device past them queries on every launch.
+constexpr int kMaxCachedDevices = 64;
+
+// Opts Kernel in to kSmemBytes of dynamic shared memory (needed above 48 KB) once per device: the
+// attribute is per device and kernel. cudaFuncSetAttribute is not a stream operation, so this also
+// runs during CUDA-graph capture; two threads racing here both set the same value.
+template <auto Kernel, int kSmemBytes>
+cudaError_t opt_in_dynamic_smem_once(int device) {
+  if (kSmemBytes <= 48 * 1024) return cudaSuccess;  // within the default limit
+  static std::atomic<bool> done[kMaxCachedDevices];  // static storage: all false at start
+  const bool cached = device >= 0 && device < kMaxCachedDevices;
+  if (cached && done[device].load(std::memory_order_acquire)) return cudaSuccess;
+  const cudaError_t err = cudaFuncSetAttribute(Kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmemBytes);
+  if (err == cudaSuccess && cached) done[device].store(true, std::memory_order_release);
+  return err;
+}
+
+}  // namespace spec_kernels
