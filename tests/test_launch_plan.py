@@ -38,9 +38,12 @@ def test_resident_ctas_follow_the_tightest_limit():
 def test_cuda_kernel_slots_match_the_kernels_constants():
     # TileConfig<128>: three K and three V stages of 64 keys = 96 KB (Q in registers) + the slot
     # ids of 4 tiles; <64>: two stages + ids; <256>: Q 64x256 + two 32-key stages + ids; the small
-    # decode configuration <128, true>: three stages of 32 keys + ids = 49 KB
+    # decode configuration <128, 32>: three stages of 32 keys + ids = 49 KB; the 128-row one
+    # <128, 128>: the stages of <128> (Q in registers), 8 warps
     assert lp.cuda_tree_verify_resources(128).smem_bytes == 98 * 1024
-    assert lp.cuda_tree_verify_resources(128, small=True).smem_bytes == 49 * 1024
+    assert lp.cuda_tree_verify_resources(128, 32).smem_bytes == 49 * 1024
+    wide = lp.cuda_tree_verify_resources(128, 128)
+    assert (wide.smem_bytes, wide.threads) == (98 * 1024, 256)
     assert lp.cuda_tree_verify_resources(64).smem_bytes == 34 * 1024
     assert lp.cuda_tree_verify_resources(256).smem_bytes == 97 * 1024
     # MlaTile<1>: Q 16 rows + two 32-key stages = 90 KB, + P, row maxima, slot ids; MlaTile<2>: 32 + 3 x 16
@@ -53,14 +56,21 @@ def test_cuda_kernel_slots_match_the_kernels_constants():
 
 
 
-def test_small_decode_configuration_where_it_doubles_the_ctas():
+def test_configuration_by_rows():
     h200, rtx = lp.DEVICES["h200"], lp.DEVICES["rtx-pro-6000"]
+    block_m = lp.cuda_tree_verify_block_m
     # sm_120: one 98 KB CTA per 100 KB SM, two of 49 KB (+ 1 KB reserved each); sm_90 holds two large
-    assert lp.cuda_tree_verify_small(128, 8, rtx) and not lp.cuda_tree_verify_small(128, 8, h200)
-    assert not lp.cuda_tree_verify_small(128, 32, rtx)  # more than 16 rows
-    assert not lp.cuda_tree_verify_small(64, 8, rtx)
+    assert block_m(128, 8, rtx) == 32 and block_m(128, 8, h200) == 64
+    assert block_m(128, 8) == 64  # no device limits: never the small one (same CTA count)
+    assert block_m(128, 32, rtx) == 64  # more than 16 rows
+    assert block_m(64, 8, rtx) == 64
     assert lp.resident_ctas_per_sm(lp.cuda_tree_verify_kernel(128, 8)(rtx), rtx) == 2
     assert lp.resident_ctas_per_sm(lp.cuda_tree_verify_kernel(128, 32)(rtx), rtx) == 1
+    # more than 64 rows at D = 128: one 8-warp CTA of 128 rows (1 per SM on both: registers)
+    assert block_m(128, 65, rtx) == block_m(128, 128, h200) == block_m(128, 512) == 128
+    assert block_m(64, 128, rtx) == block_m(256, 128, rtx) == 64
+    wide = lp.cuda_tree_verify_kernel(128, 128)
+    assert lp.resident_ctas_per_sm(wide(rtx), rtx) == lp.resident_ctas_per_sm(wide(h200), h200) == 1
 
 # --------------------------------------------------------------------------- the plans
 @pytest.mark.parametrize("impl", ["cuda", "triton"])

@@ -13,7 +13,7 @@ sys.path.insert(0, REPO)
 from tools import sass_report  # noqa: E402
 from tools.sass_report import Ins, chain_depth, kv_loop  # noqa: E402
 
-KERNEL = "tree_verify_kernel<__half, 64, false>"
+KERNEL = "tree_verify_kernel<__half, 64, 64>"
 
 
 def _ins(addr, text, guard=""):
@@ -81,22 +81,28 @@ def _run_report(tmp_path, source, kernel_filter):
 
 
 def test_report_on_the_tree_verify_kernel(tmp_path):
-    rows, stdout = _run_report(tmp_path, "csrc/tree_verify/tree_verify_attention.cu", KERNEL)
-    assert [r["kernel"] for r in rows] == [KERNEL]
-    (row,) = rows
+    rows, stdout = _run_report(tmp_path, "csrc/tree_verify/tree_verify_attention.cu", "tree_verify_kernel<__half,")
+    by_name = {r["kernel"]: r for r in rows}
+    # the instances: D = 64 / 256 with 64 rows per CTA, D = 128 with 32, 64 and 128
+    assert set(by_name) == {f"tree_verify_kernel<__half, {d}, {m}>" for d, m in
+                            ((64, 64), (128, 32), (128, 64), (128, 128), (256, 64))}
     assert KERNEL in stdout
-    assert 0 < row["registers"] <= 255
-    assert row["spill_bytes"] == 0
+    row = by_name[KERNEL]
     # TileConfig<64>: two K / V stages of 64 keys (Q staged in one) + the slot-id ring, under 99 KB.
     assert 64 * 64 * 2 < row["dynamic_smem"] <= 99 * 1024
-    assert row["resident_ctas"] >= 1
     lp = row["loop"]
     assert lp is not None and lp["hmma"] > 0 and lp["ldgsts"] > 0
     assert lp["instructions"] > lp["hmma"] and lp["per_hmma"] > 1
-    # Slot ids reach shared memory by cp.async two tiles ahead: the K/V gather's address comes
-    # from a shared load, so a tile waits for one global round trip, not an index load first.
-    assert lp["round_trips"] == 1
-    assert lp["carried"] == 1
+    # The 128-row configuration runs 8 warps; one CTA per SM (registers), as the 64-row one on sm_120.
+    wide = by_name["tree_verify_kernel<__half, 128, 128>"]
+    assert wide["threads"] == 256 and wide["resident_ctas"] == 1
+    for row in rows:
+        assert 0 < row["registers"] <= 255
+        assert row["spill_bytes"] == 0, row
+        assert row["dynamic_smem"] <= 99 * 1024 and row["resident_ctas"] >= 1, row
+        # Slot ids reach shared memory by cp.async two tiles ahead: the K/V gather's address comes
+        # from a shared load, so a tile waits for one global round trip, not an index load first.
+        assert row["loop"]["round_trips"] == 1 and row["loop"]["carried"] == 1, row
 
 
 def test_report_on_the_mla_kernel_meets_its_targets(tmp_path):

@@ -66,13 +66,14 @@ from tools.ptxsim.build import CUDA_ARCHS, find_nvcc, nvcc_flags  # noqa: E402
 SOURCES = ("csrc/tree_verify/tree_verify_attention.cu", "csrc/mla/mla_tree_verify_attention.cu")
 # The compile-time constant each kernel launches with as dynamic shared memory, per instance.
 SMEM_EXPRS = {
-    "tree_verify_kernel": ("TileConfig<{D}>::kSmemBytes", ("64, false", "128, false", "256, false",
-                                                           "128, true")),
+    "tree_verify_kernel": ("TileConfig<{D}>::kSmemBytes", ("64, 64", "128, 64", "256, 64", "128, 32", "128, 128")),
     "mla_tree_verify_kernel": ("MlaTile<{D}>::kSmemBytes", ("1", "2")),
 }
-# Threads per CTA of each kernel's launch (kThreads = kWarps * 32 = 128; merges: the literal).
+# Threads per CTA of each kernel's launch (kThreads = kWarps * 32 = 128; merges: the literal), and
+# of the instances that differ (tree verify's 128-row configuration: 8 warps).
 THREADS = {"tree_verify_kernel": 128, "mla_tree_verify_kernel": 128, "merge_splits_kernel": 64,
            "mla_merge_splits_kernel": 128}
+INSTANCE_THREADS = {"tree_verify_kernel/128, 128": 256}
 ARCH_DEVICE = {"sm_90a": "h200", "sm_120a": "rtx-pro-6000"}
 
 
@@ -363,7 +364,8 @@ def report(archs: list[str], rev: Optional[str] = None, sources=SOURCES, name_fi
                     dyn = smem.get(f"{base}/{params.group(1)}") if params and base in SMEM_EXPRS else (
                         0 if base in THREADS else None)
                     u = usage[mangled]
-                    threads = THREADS.get(base, 128)
+                    threads = INSTANCE_THREADS.get(f"{base}/{params.group(1)}" if params else "",
+                                                   THREADS.get(base, 128))
                     dev = DEVICES[ARCH_DEVICE[arch]]
                     ctas = None
                     if dyn is not None:

@@ -1,7 +1,8 @@
 // Tree-verify attention (and plain decode): one launch, KV read once for all draft rows.
 //
-// A CTA (4 warps) owns up to 64 query rows of one (request, KV head, KV split): the request's
-// n_b draft tokens x the GQA group, packed row-major (row = draft * group + head_in_group). It
+// A CTA (4 warps; 8 in the 128-row configuration) owns up to 64 (32, 128) query rows of one
+// (request, KV head, KV split): the request's n_b draft tokens x the GQA group, packed row-major
+// (row = draft * group + head_in_group), so each KV tile is read once per row block. It
 // streams the split's share of the prefix through a 2- or 3-stage shared-memory pipeline filled by
 // cp.async gathers (one slot id per KV row), then - in the last split only - the n_b draft slots.
 // Prefix tiles need no mask; only tail tiles test the row's 64-bit ancestor word. At D <= 128 the
@@ -10,7 +11,7 @@
 // The slot ids of a tile are copied into shared memory (cp.async) two tiles ahead of its K/V
 // gather, so issuing the gather never waits for an index load.
 //
-// Few rows (decode: rows = group <= 16) would leave warps idle, so the 4 warps are arranged as
+// Few rows (decode: rows = group <= 16) would leave warps idle, so the warps are arranged as
 // warps_m x warps_n: warps_n warps share the same 16 rows and take different keys of every tile,
 // each with its own online softmax, merged through shared memory at the end.
 //
@@ -28,15 +29,20 @@
 namespace spec_kernels {
 namespace {
 
-constexpr int kWarps = 4;
-constexpr int kThreads = kWarps * 32;
-
-// kSmall: the decode configuration (at most 16 rows, D = 128): 32-key stages and 32 Q rows, 49 KB,
-// so that two CTAs share an SM whose shared memory holds one of the 98 KB configuration (sm_120).
-template <int D, bool kSmall = false>
+// Three configurations, by query rows per CTA (kRows):
+//  64: the default, 4 warps.
+//  32 (kSmall, D = 128): the decode one (at most 16 rows): 32-key stages, 49 KB, so that two CTAs
+//      share an SM whose shared memory holds one of the 98 KB configuration (sm_120).
+// 128 (kWide, D = 128): 8 warps, for more than 64 rows (n = 16 drafts x GQA 8): each K/V tile is
+//      gathered once for all of them instead of once per 64-row block; same stages as 64 rows.
+template <int D, int kRows = kTreeVerifyBlockM>
 struct TileConfig {
-  static_assert(!kSmall || D == 128, "the small configuration is the D = 128 decode one");
-  static constexpr int kBlockM = kSmall ? 32 : kTreeVerifyBlockM;  // query rows of a CTA
+  static constexpr bool kSmall = kRows == 32, kWide = kRows == 128;
+  static_assert(kRows == kTreeVerifyBlockM || (D == 128 && (kSmall || kWide)),
+                "32 and 128 rows per CTA are D = 128 configurations");
+  static constexpr int kBlockM = kRows;  // query rows of a CTA
+  static constexpr int kWarps = kWide ? 8 : 4;
+  static constexpr int kThreads = kWarps * 32;
   static constexpr int kChunks = D / 8;                            // 16-byte chunks per row
   static constexpr int kStageKeys = kSmall || D >= 256 ? 32 : 64;   // keys per pipeline stage
   static constexpr int kMaxWarpsN = kStageKeys / 16;               // a warp takes >= 16 keys of a stage
@@ -55,11 +61,13 @@ struct TileConfig {
   // [Q tile] + kStages K + kStages V stages + slot ids: 34 KB (D=64), 98 KB (D=128; small: 49 KB),
   // 97 KB (D=256).
   static constexpr int kSmemBytes = (kQElems + 2 * kStages * kStageKeys * D) * 2 + kIdxBytes;
-  static_assert(!kQInRegs || kBlockM <= kStageKeys, "the Q tile is staged in one K stage");
+  // ... in the last K stage (rows 0-63) and the last V stage (rows 64-127; kWide).
+  static_assert(!kQInRegs || kBlockM <= 2 * kStageKeys, "the Q tile is staged in the last K and V stages");
   static_assert(kIdxStages >= kStages + 1, "the ids of kStages tiles are pending while a tile's are read");
   // CTAs per SM the registers must allow (__launch_bounds__): 3 at D=64 (4 would cap it at 128
   // registers and spill); 2 for the small configuration; else 1, where shared memory allows 1-2
-  // anyway and a lower register target makes ptxas recompute tile addresses in the KV loop.
+  // anyway and a lower register target makes ptxas recompute tile addresses in the KV loop
+  // (kWide: 8 warps of up to 255 registers fill the register file).
   static constexpr int kMinCtasPerSm = D == 64 ? 3 : kSmall ? 2 : 1;
   // The end-of-loop merge reuses that memory: per warp, per lane, the accumulators + m, l.
   static constexpr int kMergeFloats = kDvTiles * 4 + 4;
@@ -67,10 +75,11 @@ struct TileConfig {
   static_assert(kSmemBytes <= 99 * 1024, "sm_120 allows 99 KB of shared memory per block");
 };
 
-template <typename T, int D, bool kSmall>
-__global__ void __launch_bounds__(kThreads, TileConfig<D, kSmall>::kMinCtasPerSm)
+template <typename T, int D, int kRows>
+__global__ void __launch_bounds__(TileConfig<D, kRows>::kThreads, TileConfig<D, kRows>::kMinCtasPerSm)
     tree_verify_kernel(const TreeVerifyParams p) {
-  using Cfg = TileConfig<D, kSmall>;
+  using Cfg = TileConfig<D, kRows>;
+  constexpr int kWarps = Cfg::kWarps, kThreads = Cfg::kThreads;
   constexpr int kBlockM = Cfg::kBlockM;
   constexpr int kChunks = Cfg::kChunks;
   constexpr int kStageKeys = Cfg::kStageKeys;
@@ -78,7 +87,12 @@ __global__ void __launch_bounds__(kThreads, TileConfig<D, kSmall>::kMinCtasPerSm
   extern __shared__ __align__(128) uint8_t smem[];
   T* s_k = reinterpret_cast<T*>(smem) + Cfg::kQElems;
   T* s_v = s_k + kStages * kStageKeys * D;
-  T* s_q = Cfg::kQInRegs ? s_k + (kStages - 1) * kStageKeys * D : reinterpret_cast<T*>(smem);
+  // Chunk c of Q row r: with Q in registers it is staged in the last K stage (rows 0-63) and the
+  // last V stage (rows 64-127), which the prologue does not fill; else in its own tile.
+  auto q_chunk = [&](int r, int c) -> T* {
+    if constexpr (!Cfg::kQInRegs) return reinterpret_cast<T*>(smem) + swizzled<kChunks>(r, c);
+    return (r < kStageKeys ? s_k : s_v) + (kStages - 1) * kStageKeys * D + swizzled<kChunks>(r % kStageKeys, c);
+  };
   uint8_t* s_idx = reinterpret_cast<uint8_t*>(s_v + kStages * kStageKeys * D);  // [kIdxStages][kStageKeys] x 8 B
 
   // ---- which rows, which request, which KV range
@@ -104,7 +118,8 @@ __global__ void __launch_bounds__(kThreads, TileConfig<D, kSmall>::kMinCtasPerSm
   if (rows_here <= 0) return;  // uniform over the CTA
 
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-  const int warps_m = max(rows_here <= 16 ? 1 : rows_here <= 32 ? 2 : 4, kWarps / Cfg::kMaxWarpsN);
+  const int warps_m = max(rows_here <= 16 ? 1 : rows_here <= 32 ? 2 : !Cfg::kWide || rows_here <= 64 ? 4 : 8,
+                          kWarps / Cfg::kMaxWarpsN);
   const int warps_n = kWarps / warps_m;
   const int wm = warp % warps_m, wn = warp / warps_m;
   const int keys_per_warp = kStageKeys / warps_n;
@@ -131,7 +146,7 @@ __global__ void __launch_bounds__(kThreads, TileConfig<D, kSmall>::kMinCtasPerSm
     if (valid) {
       src = q + token * p.q_stride_t + (kv_head * group + row % group) * p.q_stride_h + c * 8;
     }
-    cp_async_16(smem_addr(s_q + swizzled<kChunks>(r, c)), src, valid);
+    cp_async_16(smem_addr(q_chunk(r, c)), src, valid);
   }
 
   // Tile t covers key positions [base, base + kStageKeys) clipped to end: prefix tiles first.
@@ -207,13 +222,13 @@ __global__ void __launch_bounds__(kThreads, TileConfig<D, kSmall>::kMinCtasPerSm
     cp_async_commit();
   }
   auto load_q_fragment = [&](uint32_t(&a)[4], int kk) {
-    ldmatrix_x4(a, smem_addr(s_q + swizzled<kChunks>(wm * 16 + (lane / 8 % 2) * 8 + lane % 8, kk * 2 + lane / 16)));
+    ldmatrix_x4(a, smem_addr(q_chunk(wm * 16 + (lane / 8 % 2) * 8 + lane % 8, kk * 2 + lane / 16)));
   };
   uint32_t q_frag[D / 16][4];  // kQInRegs only
   if constexpr (Cfg::kQInRegs) {
 #pragma unroll
     for (int kk = 0; kk < D / 16; ++kk) load_q_fragment(q_frag[kk], kk);
-    __syncthreads();  // the Q tile is K stage kStages - 1: the loop's first prefetch fills it
+    __syncthreads();  // the Q tile is in stage kStages - 1: the loop's first prefetch fills it
   }
 
   for (int t = 0; t < total_tiles; ++t) {
@@ -436,20 +451,20 @@ cudaError_t small_config_doubles_ctas(int device, bool& yes) {
   cudaError_t err = cudaDeviceGetAttribute(&per_sm, cudaDevAttrMaxSharedMemoryPerMultiprocessor, device);
   if (err == cudaSuccess) err = cudaDeviceGetAttribute(&reserved, cudaDevAttrReservedSharedMemoryPerBlock, device);
   if (err != cudaSuccess) return err;
-  constexpr int kLarge = TileConfig<128>::kSmemBytes, kSmall = TileConfig<128, true>::kSmemBytes;
+  constexpr int kLarge = TileConfig<128>::kSmemBytes, kSmall = TileConfig<128, 32>::kSmemBytes;
   yes = 2 * (kLarge + reserved) > per_sm && 2 * (kSmall + reserved) <= per_sm;
   if (cached) known[device].store(yes ? 2 : 1, std::memory_order_release);
   return cudaSuccess;
 }
 
-template <typename T, int D, bool kSmall>
+template <typename T, int D, int kRows>
 cudaError_t launch_config(const TreeVerifyParams& p, int device, cudaStream_t stream) {
-  using Cfg = TileConfig<D, kSmall>;
-  const cudaError_t attr_err = opt_in_dynamic_smem_once<tree_verify_kernel<T, D, kSmall>, Cfg::kSmemBytes>(device);
+  using Cfg = TileConfig<D, kRows>;
+  const cudaError_t attr_err = opt_in_dynamic_smem_once<tree_verify_kernel<T, D, kRows>, Cfg::kSmemBytes>(device);
   if (attr_err != cudaSuccess) return attr_err;
   const int m_blocks = (p.max_rows + Cfg::kBlockM - 1) / Cfg::kBlockM;
   const dim3 grid(static_cast<unsigned>(p.num_requests) * p.num_kv_heads * m_blocks, p.num_splits);
-  tree_verify_kernel<T, D, kSmall><<<grid, kThreads, Cfg::kSmemBytes, stream>>>(p);
+  tree_verify_kernel<T, D, kRows><<<grid, Cfg::kThreads, Cfg::kSmemBytes, stream>>>(p);
   cudaError_t err = cudaGetLastError();
   if (err != cudaSuccess || p.num_splits == 1) return err;
   merge_splits_kernel<T><<<p.num_tokens * p.num_q_heads, 64, 0, stream>>>(p);
@@ -462,15 +477,17 @@ cudaError_t launch(const TreeVerifyParams& p, cudaStream_t stream) {
   const cudaError_t err = cudaGetDevice(&device);
   if (err != cudaSuccess) return err;
   if constexpr (D == 128) {
+    // More than 64 rows: 128-row CTAs read each K/V tile once for all of them.
+    if (p.max_rows > kTreeVerifyBlockM) return launch_config<T, D, 128>(p, device, stream);
     // Decode (<= 16 rows) takes the small configuration where it doubles the CTAs per SM.
     bool small = false;
     if (p.max_rows <= 16) {
       const cudaError_t q_err = small_config_doubles_ctas(device, small);
       if (q_err != cudaSuccess) return q_err;
     }
-    if (small) return launch_config<T, D, true>(p, device, stream);
+    if (small) return launch_config<T, D, 32>(p, device, stream);
   }
-  return launch_config<T, D, false>(p, device, stream);
+  return launch_config<T, D, kTreeVerifyBlockM>(p, device, stream);
 }
 
 template <typename T>

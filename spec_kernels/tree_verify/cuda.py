@@ -8,10 +8,9 @@ from typing import Optional
 import torch
 
 from .._ops import cuda_ops
-from .launch_plan import MIN_SPLIT_KEYS, cuda_tree_verify_kernel, expected_rows, max_rows, mean_prefix
+from .launch_plan import MIN_SPLIT_KEYS, cuda_tree_verify_block_m, cuda_tree_verify_kernel, expected_rows, max_rows
+from .launch_plan import mean_prefix
 from .launch_plan import num_kv_splits as plan_splits
-
-BLOCK_M = 64  # rows per CTA: kTreeVerifyBlockM in csrc/include/spec_kernels/tree_verify.h
 
 
 def supports(q, k_cache, v_cache, *_) -> Optional[str]:
@@ -37,7 +36,8 @@ def tree_verify_attention(q, k_cache, v_cache, kv_indptr, kv_indices, qo_indptr,
     splits = num_kv_splits
     if not splits:  # planned for the rows that hold work in an even batch
         work = expected_rows(T, B, group, decode, max_draft_tokens)
-        splits = plan_splits(q.device, B, Hkv, work, BLOCK_M, cuda_tree_verify_kernel(D, rows),
+        block_m = cuda_tree_verify_block_m(D, rows)  # rows per CTA: 32 (decode) counts as 64
+        splits = plan_splits(q.device, B, Hkv, work, block_m, cuda_tree_verify_kernel(D, rows),
                              mean_prefix(kv_indices.numel(), B, work, group))
     o_partial = lse_partial = None
     if splits > 1:

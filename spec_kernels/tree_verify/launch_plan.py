@@ -121,38 +121,47 @@ class KernelResources:
 # ). The larger of the sm_90a and sm_120a figures (fp16 and bf16 are equal). Shared memory and
 # threads are the kernels' own constants (TileConfig / MlaTile); a stale register figure only
 # mis-sizes the splits, never breaks a launch.
-CUDA_TREE_VERIFY_REGS = {64: 156, 128: 243, 256: 255}  # head dim -> registers
-CUDA_TREE_VERIFY_SMALL_REGS = 190  # the small D = 128 decode configuration (TileConfig<128, true>)
+# Tree verify by (head dim, rows per CTA): 64 rows is the default configuration, 32 the D = 128
+# decode one, 128 the D = 128 one for more than 64 rows (TileConfig<D, rows>).
+CUDA_TREE_VERIFY_REGS = {(64, 64): 156, (128, 64): 243, (256, 64): 255, (128, 32): 190, (128, 128): 233}
 CUDA_MLA_REGS = {16: 250, 32: 233}  # BLOCK_M (mla_block_m) -> registers
-_CUDA_THREADS = 128  # kWarps = 4 in both kernels
+_CUDA_THREADS = 128  # kWarps = 4 in both kernels (tree verify's 128-row configuration: 8)
 
 
-def cuda_tree_verify_resources(head_dim: int, small: bool = False) -> KernelResources:
-    """csrc/tree_verify/tree_verify_attention.cu (TileConfig::kSmemBytes): K and V stages (three at
-    D = 128, else two) of 64 keys (32 at D = 256 and in the small configuration), the Q tile
-    (D > 128; at D <= 128 Q lives in registers, staged in a K stage) and the slot ids of 4 tiles."""
-    stage_keys = 32 if small or head_dim >= 256 else 64
+def cuda_tree_verify_resources(head_dim: int, block_m: int = 64) -> KernelResources:
+    """csrc/tree_verify/tree_verify_attention.cu (TileConfig<D, block_m>::kSmemBytes): K and V
+    stages (three at D = 128, else two) of 64 keys (32 at D = 256 and in the 32-row configuration),
+    the Q tile (D > 128; at D <= 128 Q lives in registers, staged in the last K and V stages) and
+    the slot ids of 4 tiles. 4 warps; 8 for 128 rows."""
+    stage_keys = 32 if block_m == 32 or head_dim >= 256 else 64
     stages = 3 if head_dim == 128 else 2
-    q_elems = 0 if head_dim <= 128 else 64 * head_dim
+    q_elems = 0 if head_dim <= 128 else block_m * head_dim
     smem = (q_elems + 2 * stages * stage_keys * head_dim) * 2 + 4 * stage_keys * 8
-    regs = CUDA_TREE_VERIFY_SMALL_REGS if small else CUDA_TREE_VERIFY_REGS.get(head_dim, 255)
-    return KernelResources(_CUDA_THREADS, regs, smem)
+    threads = 2 * _CUDA_THREADS if block_m == 128 else _CUDA_THREADS
+    return KernelResources(threads, CUDA_TREE_VERIFY_REGS.get((head_dim, block_m), 255), smem)
 
 
-def cuda_tree_verify_small(head_dim: int, rows: int, limits: DeviceLimits) -> bool:
-    """Whether the CUDA launch takes the small decode configuration (tree_verify_attention.cu
-    launch()): D = 128, at most 16 rows, and two of it fit on an SM where two large ones do not."""
-    if head_dim != 128 or rows > 16:
-        return False
+def cuda_tree_verify_block_m(head_dim: int, rows: int, limits: Optional[DeviceLimits] = None) -> int:
+    """Rows per CTA of the configuration a CUDA launch of `rows` (max_rows) takes
+    (tree_verify_attention.cu launch()): at D = 128, 128 for more than 64 rows (each K/V tile read
+    once for up to 128 rows) and 32 for at most 16 rows where two such CTAs fit on an SM and two
+    64-row ones do not (sm_120; needs `limits`); else 64. For counting CTAs, 32 and 64 agree
+    (<= 16 rows are one CTA either way)."""
+    if head_dim != 128:
+        return 64
+    if rows > 64:
+        return 128
+    if rows > 16 or limits is None:
+        return 64
     per_cta = limits.smem_reserved_per_cta
     large = cuda_tree_verify_resources(128).smem_bytes + per_cta
-    small = cuda_tree_verify_resources(128, True).smem_bytes + per_cta
-    return 2 * large > limits.smem_per_sm and 2 * small <= limits.smem_per_sm
+    small = cuda_tree_verify_resources(128, 32).smem_bytes + per_cta
+    return 32 if 2 * large > limits.smem_per_sm and 2 * small <= limits.smem_per_sm else 64
 
 
 def cuda_tree_verify_kernel(head_dim: int, rows: int) -> Callable[[DeviceLimits], KernelResources]:
     """The resources of the configuration a launch of `rows` (max_rows) takes on a device."""
-    return lambda limits: cuda_tree_verify_resources(head_dim, cuda_tree_verify_small(head_dim, rows, limits))
+    return lambda limits: cuda_tree_verify_resources(head_dim, cuda_tree_verify_block_m(head_dim, rows, limits))
 
 
 def cuda_mla_resources(block_m: int) -> KernelResources:
@@ -354,8 +363,8 @@ def plan_shape(shape: Shape, limits: DeviceLimits, impl: str = "cuda") -> tuple[
             block_m = 16 if grid_rows <= 16 else 32
             kernel = cuda_mla_resources(block_m)
         else:
-            small = cuda_tree_verify_small(shape.head_dim, grid_rows, limits)
-            block_m, kernel = (32 if small else 64), cuda_tree_verify_resources(shape.head_dim, small)
+            block_m = cuda_tree_verify_block_m(shape.head_dim, grid_rows, limits)
+            kernel = cuda_tree_verify_resources(shape.head_dim, block_m)
     else:
         block_m, kernel = _triton_tile(shape, limits)
     prefix = mean_prefix(shape.B * (shape.L + shape.n), shape.B, rows, group)  # kv_indices: L + n slots each

@@ -149,22 +149,23 @@ class PtxCudaOps:
         raw = bytes(p)
         mod = self._module("tree_verify/tree_verify_attention.cu")
         tname = "13__nv_bfloat16" if q.dtype == torch.bfloat16 else "6__half"
-        # launch(): the small configuration (32 rows, 32-key stages) at D = 128 and max_rows <= 16
-        # when two of it fit on an SM where two large ones do not (sm_120: 100 KB per SM, 1 KB of
-        # it reserved per CTA); TileConfig<D, small>::kSmemBytes, 4 warps: [Q tile, D > 128 only] +
-        # 3 (D = 128) or 2 stages x (K + V) of stage_keys rows + the slot ids of 4 tiles
+        # launch(): at D = 128, the 128-row configuration (8 warps) for max_rows > 64, and the small
+        # one (32 rows, 32-key stages) for max_rows <= 16 when two of it fit on an SM where two
+        # 64-row ones do not (sm_120: 100 KB per SM, 1 KB of it reserved per CTA).
+        # TileConfig<D, block_m>::kSmemBytes: [Q tile, D > 128 only] + 3 (D = 128) or 2 stages x
+        # (K + V) of stage_keys rows + the slot ids of 4 tiles
         per_sm = 100 * 1024 if "120" in self.arch else 228 * 1024
         large = (2 * 3 * 64 * 128) * 2 + 4 * 64 * 8 + 1024
         small_cfg = (2 * 3 * 32 * 128) * 2 + 4 * 32 * 8 + 1024
         small = D == 128 and max_rows <= 16 and 2 * large > per_sm and 2 * small_cfg <= per_sm
-        block_m = 32 if small else 64
+        block_m = 128 if D == 128 and max_rows > 64 else 32 if small else 64
         stage_keys = 32 if small or D >= 256 else 64
         stages = 3 if D == 128 else 2
         q_elems = 0 if D <= 128 else 64 * D
         smem = (q_elems + 2 * stages * stage_keys * D) * 2 + 4 * stage_keys * 8
         m_blocks = -(-max_rows // block_m)
-        self._run(m, mod, f"tree_verify_kernelI{tname}Li{D}ELb{int(small)}E", (B * Hkv * m_blocks, num_splits),
-                  (128,), [raw], smem)
+        self._run(m, mod, f"tree_verify_kernelI{tname}Li{D}ELi{block_m}E", (B * Hkv * m_blocks, num_splits),
+                  (256 if block_m == 128 else 128,), [raw], smem)
         if num_splits > 1:
             self._run(m, mod, f"merge_splits_kernelI{tname}E", (T * Hq,), (64,), [raw])
         buf.copy_back()

@@ -42,7 +42,7 @@ MUTANTS = {
     "no_loop_top_sync": (TV, "no __syncthreads after the wait",
                          "  // tile t has landed\n    __syncthreads();", "  // tile t has landed\n"),
     "no_sync_after_q_fragments": (TV, "no __syncthreads between reading Q into registers and refilling its stage",
-                                  "    __syncthreads();  // the Q tile is K stage", "    // the Q tile is K stage"),
+                                  "    __syncthreads();  // the Q tile is in stage", "    // the Q tile is in stage"),
     "no_prologue_id_barrier": (TV, "three stages: the prologue reuses tile 0's id cells with no barrier",
                                "if constexpr (2 * kStages - 1 > Cfg::kIdxStages) __syncthreads();", ""),
     "ids_one_tile_late": (TV, "tile u's slot ids travel with tile u - stages + 1's K/V",
@@ -92,8 +92,29 @@ def run_tree_verify(ops):
     torch.testing.assert_close(lse, ref_lse.float(), atol=1e-4, rtol=1e-4, equal_nan=True)
 
 
+# Mutants of the 128-row configuration (8 warps, D = 128), run on a case that takes it.
+WIDE_MUTANTS = {
+    "q_rows_64_up_in_k_stage": (TV, "Q rows 64-127 staged over rows 0-63 (last K stage) instead of the last V stage",
+                                "return (r < kStageKeys ? s_k : s_v)", "return (r < kStageKeys ? s_k : s_k)"),
+    "wide_warps_m_4": (TV, "the 8 warps take at most 64 rows (warps_m capped at 4)",
+                       "!Cfg::kWide || rows_here <= 64 ? 4 : 8", "4"),
+}
+
+
+def run_tree_verify_wide(ops):
+    # 16 drafts x GQA 8 = 128 rows (warps_m 8) and 5 x 8 = 40 rows (warps_m 4 x warps_n 2, merged),
+    # 3 tiles each (the 3-stage ring), a tree tail
+    case = make_case([16, 5], [130, 20], hq=8, hkv=1, d=128, dtype=torch.bfloat16, kind="random", seed=13)
+    out, lse = tv.run_ptx(case, ops)
+    assert [l[0] for l in ops.launches][0].endswith("Li128ELi128E")
+    ref, ref_lse = tv.reference(case)
+    torch.testing.assert_close(out.float(), ref.float(), atol=2e-2, rtol=2e-2, equal_nan=True)
+    torch.testing.assert_close(lse, ref_lse.float(), atol=1e-4, rtol=1e-4, equal_nan=True)
+
+
 def test_unmutated_case_passes():
     run_tree_verify(PtxCudaOps())
+    run_tree_verify_wide(PtxCudaOps())
 
 
 @pytest.mark.parametrize("name", sorted(MUTANTS))
@@ -102,4 +123,13 @@ def test_mutant_is_caught(name):
     ops = PtxCudaOps(patched={path: patched(path, old, new)})
     with pytest.raises((AssertionError, SimError)) as info:
         run_tree_verify(ops)
+    print(f"{name} ({what}) caught: {str(info.value).splitlines()[0][:200]}")
+
+
+@pytest.mark.parametrize("name", sorted(WIDE_MUTANTS))
+def test_wide_mutant_is_caught(name):
+    path, what, old, new = WIDE_MUTANTS[name]
+    ops = PtxCudaOps(patched={path: patched(path, old, new)})
+    with pytest.raises((AssertionError, SimError)) as info:
+        run_tree_verify_wide(ops)
     print(f"{name} ({what}) caught: {str(info.value).splitlines()[0][:200]}")

@@ -9,8 +9,9 @@ def test_report_runs_and_compares(tmp_path, capsys):
     out = tmp_path / "r" / "counters.json"
     assert main(["--keys", "80", "--json", str(out)]) == 0
     text = capsys.readouterr().out
-    assert "K read / ideal 1.000" in text            # decode and group-4 verify read K once
-    assert "K read / ideal 2.000" in text            # group 8: two row blocks stream the prefix twice
+    # decode and verify read K once: group 4 (64 rows) and group 8 (128 rows, one 8-warp CTA) alike
+    reads = [line.split("K read / ideal ")[1].split()[0] for line in text.splitlines() if "K read / ideal" in line]
+    assert len(reads) >= 3 and set(reads) == {"1.000"}, text
     doc = json.loads(out.read_text())
     names = {b["name"] for b in doc["benchmarks"]}
     assert "ptxsim::tree_verify_kernel[verify16_bf16_d128_L80_group8]::k_bytes_read_over_ideal" in names

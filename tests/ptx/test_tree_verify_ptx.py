@@ -70,6 +70,9 @@ CASES = [
     ([7, 2], [40, 65], 4, 1, 128, torch.float16, "wide", 3, torch.int32),          # D 128, 3 splits
     ([4], [33], 2, 1, 256, torch.bfloat16, "random", 0, torch.int32),              # D 256 (32-key stages)
     ([9, 2], [380, 3], 2, 1, 128, torch.bfloat16, "random", 0, torch.int64),      # D 128: 3 stages, 7 tiles
+    # D 128, > 64 rows: 128-row CTAs (8 warps); 16 x 8 = 128 rows, 5 x 8 = 40 (warps_m 4 x warps_n 2),
+    # an empty request, and a second row block of the grid (max_rows 168) with no rows
+    ([16, 5, 0], [300, 70, 3], 8, 1, 128, torch.float16, "random", 0, torch.int32),
 ]
 
 
@@ -89,7 +92,7 @@ def test_decode_matches_reference(dtype, splits, d):
     case = make_case([1, 1, 1], [9, 66, 1 if d == 64 else 260], hq=8, hkv=2, d=d, dtype=dtype, seed=3)
     ops = check(case, dtype, decode=True, splits=splits)
     # sm_120 (100 KB per SM): D = 128 decode takes the small configuration (two CTAs per SM)
-    small = [l[0] for l in ops.launches if l[0].startswith("tree_verify_kernel")][0].endswith("Lb1E")
+    small = [l[0] for l in ops.launches if l[0].startswith("tree_verify_kernel")][0].endswith("Li32E")
     assert small == (d == 128)
 
 
@@ -99,7 +102,7 @@ def test_decode_sm90a_large_configuration():
     case = make_case([1, 1], [300, 5], hq=8, hkv=1, d=128, dtype=torch.bfloat16, seed=4)
     ops = PtxCudaOps(arch="sm_90a")
     out, lse = run_ptx(case, ops, decode=True)
-    assert [l[0] for l in ops.launches] == ["tree_verify_kernelI13__nv_bfloat16Li128ELb0E"]
+    assert [l[0] for l in ops.launches] == ["tree_verify_kernelI13__nv_bfloat16Li128ELi64E"]
     ref, ref_lse = reference(case, decode=True)
     torch.testing.assert_close(out.float(), ref.float(), atol=TOL[torch.bfloat16], rtol=TOL[torch.bfloat16])
     torch.testing.assert_close(lse, ref_lse.float(), atol=1e-4, rtol=1e-4)
@@ -131,6 +134,22 @@ def test_counters_read_each_kv_byte_once():
     assert stats.bank_conflicts.get("ldmatrix.sync.aligned.m8n8.x4.shared.b16", 0) == 0
     assert stats.bank_conflicts.get("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16", 0) == 0
     assert stats.bank_conflicts.get("cp.async.cg.shared.global", 0) == 0
+
+
+def test_wide_configuration_reads_kv_once():
+    """n = 16 drafts x GQA 8 = 128 rows at D = 128: one 8-warp CTA holds all of them, so every K
+    and V byte of the request is read once (64-row CTAs read it twice), with no bank conflict."""
+    case = make_case([16], [240], hq=8, hkv=1, d=128, dtype=torch.bfloat16, kind="random", seed=8)
+    ops = check(case, torch.bfloat16, max_draft_tokens=16)
+    launch = [l for l in ops.launches if l[0].startswith("tree_verify_kernel")][0]
+    assert launch[0].endswith("Li128ELi128E") and launch[1] == (1, 1) and launch[2] == (256,)
+    stats = launch[4]
+    kv_bytes = 256 * 128 * 2  # keys x D x bf16, per cache
+    assert stats.region_read["k_cache"] == kv_bytes, stats.region_read
+    assert stats.region_read["v_cache"] == kv_bytes, stats.region_read
+    for op in ("ldmatrix.sync.aligned.m8n8.x4.shared.b16", "ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16",
+               "cp.async.cg.shared.global"):
+        assert stats.bank_conflicts.get(op, 0) == 0, (op, stats.bank_conflicts)
 
 
 def test_sm90a_ptx_matches_reference():
