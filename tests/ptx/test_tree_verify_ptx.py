@@ -71,8 +71,8 @@ CASES = [
     ([4], [33], 2, 1, 256, torch.bfloat16, "random", 0, torch.int32),              # D 256 (32-key stages)
     ([9, 2], [380, 3], 2, 1, 128, torch.bfloat16, "random", 0, torch.int64),      # D 128: 3 stages, 7 tiles
     # D 128, > 64 rows: 128-row CTAs (8 warps); 16 x 8 = 128 rows, 5 x 8 = 40 (warps_m 4 x warps_n 2),
-    # an empty request, and a second row block of the grid (max_rows 168) with no rows
-    ([16, 5, 0], [300, 70, 3], 8, 1, 128, torch.float16, "random", 0, torch.int32),
+    # an empty request, a second row block of the grid (max_rows 168) with no rows; 2 splits
+    ([16, 5, 0], [300, 70, 3], 8, 1, 128, torch.float16, "random", 2, torch.int32),
 ]
 
 
