@@ -30,7 +30,12 @@
 //   kBlockM = 16, kBlockN = 32: (16 + 2 * 32) * 1152 = 90 KB (+ P, row maxima, slot ids: 92.5 KB)
 // 64 rows x 8 warps (FlashMLA's CTA) would need (64 + 2 * 16) * 1152 = 108 KB even with 16-key
 // tiles (and 144 registers of Q fragments per thread if Q were kept in registers instead), so it
-// does not fit sm_120 with mma.sync.
+// does not fit sm_120 with mma.sync as it stands. The work split above would carry over (8 units
+// of 16 rows x 8 keys, 64 output columns per warp = 128 accumulator registers); what could make it
+// fit is a Q split: the fragments of the first few k16 steps in registers and only the other
+// steps' columns in shared memory (8 steps: 32 registers, Q 56 KB + two 16-key stages = 96 KB),
+// at the risk of spills beside the 128-register accumulator. Its gain, the KV streamed through
+// L2 half as often at H = 16, n = 16, is a GPU measurement.
 //
 // With num_splits > 1 every split writes a normalised partial output and its base-2 log-sum-exp;
 // mla_merge_splits_kernel combines them in a fixed order (bitwise deterministic, no atomics).
