@@ -313,8 +313,9 @@ def _statements(body):
                 out.append(("label", m.group(1), lineno))
                 line = line[m.end():].strip()
                 continue
-            if line.startswith(".loc") or line.startswith(".pragma") and ";" not in line:
-                out.append(("loc" if line.startswith(".loc") else "skip", line, lineno))
+            is_loc = re.match(r"\.loc\s", line) is not None  # not .local
+            if is_loc or line.startswith(".pragma") and ";" not in line:
+                out.append(("loc" if is_loc else "skip", line, lineno))
                 line = ""
                 continue
             j = line.find(";")
@@ -374,6 +375,9 @@ def _parse_entry(name, header, body, module_syms, line0):
             if stmt.startswith(".pragma") or stmt.startswith(".maxnreg") or stmt.startswith(".maxntid") \
                     or stmt.startswith(".reqntid") or stmt.startswith(".minnctapersm"):
                 continue
+            if stmt.startswith(".local"):
+                raise PtxSyntaxError(f"local memory (a register spill or a dynamically indexed array) is not "
+                                     f"interpreted: {stmt!r} at {where}")
             if stmt.startswith("."):
                 raise PtxSyntaxError(f"unsupported directive {stmt!r} at {where}")
             guard, neg = None, False
