@@ -108,11 +108,12 @@ def test_report_on_the_tree_verify_kernel(tmp_path):
 def test_report_on_the_mla_kernel_meets_its_targets(tmp_path):
     """Regression guard on the MLA verify kernel's SASS (sm_120a): no spills, one dependent global
     round trip per KV tile, <= 99 KB of shared memory, and the inner loop tensor-core bound: at
-    most 8 SASS instructions per HMMA (32-row CTAs: H = 16 heads x n = 16 drafts in two CTAs; the
-    16-row decode CTAs too)."""
+    most 8 SASS instructions per HMMA (64-row CTAs of 8 warps: H = 16 heads x n = 16 drafts = 256
+    rows in four CTAs; the 32-row and the 16-row decode CTAs too)."""
     rows, _ = _run_report(tmp_path, "csrc/mla/mla_tree_verify_attention.cu", "mla_tree_verify_kernel")
-    assert {r["kernel"] for r in rows} >= {"mla_tree_verify_kernel<__nv_bfloat16, 1>",
-                                           "mla_tree_verify_kernel<__nv_bfloat16, 2>"}
+    by_name = {r["kernel"]: r for r in rows}
+    assert set(by_name) >= {f"mla_tree_verify_kernel<__nv_bfloat16, {m}>" for m in (1, 2, 4)}
+    assert by_name["mla_tree_verify_kernel<__nv_bfloat16, 4>"]["threads"] == 256
     for row in rows:
         assert row["spill_bytes"] == 0, row
         assert row["static_smem"] + row["dynamic_smem"] <= 99 * 1024, row

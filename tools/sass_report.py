@@ -67,13 +67,13 @@ SOURCES = ("csrc/tree_verify/tree_verify_attention.cu", "csrc/mla/mla_tree_verif
 # The compile-time constant each kernel launches with as dynamic shared memory, per instance.
 SMEM_EXPRS = {
     "tree_verify_kernel": ("TileConfig<{D}>::kSmemBytes", ("64, 64", "128, 64", "256, 64", "128, 32", "128, 128")),
-    "mla_tree_verify_kernel": ("MlaTile<{D}>::kSmemBytes", ("1", "2")),
+    "mla_tree_verify_kernel": ("MlaTile<{D}>::kSmemBytes", ("1", "2", "4")),
 }
 # Threads per CTA of each kernel's launch (kThreads = kWarps * 32 = 128; merges: the literal), and
 # of the instances that differ (tree verify's 128-row configuration: 8 warps).
 THREADS = {"tree_verify_kernel": 128, "mla_tree_verify_kernel": 128, "merge_splits_kernel": 64,
            "mla_merge_splits_kernel": 128}
-INSTANCE_THREADS = {"tree_verify_kernel/128, 128": 256}
+INSTANCE_THREADS = {"tree_verify_kernel/128, 128": 256, "mla_tree_verify_kernel/4": 256}
 ARCH_DEVICE = {"sm_90a": "h200", "sm_120a": "rtx-pro-6000"}
 
 

@@ -2,40 +2,39 @@
 //
 // DeepSeek-V3 / Kimi K2.5 with absorbed projections: each token caches ONE KV row of 576 values
 // (512 latent + 64 rope), the key of every query head; its first 512 values are the value. A CTA
-// (4 warps) owns kBlockM = 16 or 32 query rows of one (request, KV split): the request's n_b drafts
-// x H heads, packed (row = draft * H + head). It streams its share of the prefix through a
-// 2- or 3-stage shared-memory ring of kBlockN-row KV tiles (cp.async gathers, one slot id per row,
-// the ids themselves copied into shared memory two tiles ahead), then - last split only - the n_b
-// draft slots; only those tail tiles test the 64-bit ancestor words.
+// (4 warps; 8 for 64 rows) owns kBlockM = 16, 32 or 64 query rows of one (request, KV split): the
+// request's n_b drafts x H heads, packed (row = draft * H + head), so the KV is read once per
+// kBlockM rows. It streams its share of the prefix through a 2- or 3-stage shared-memory ring of
+// kBlockN-row KV tiles (cp.async gathers, one slot id per row, the ids themselves copied into
+// shared memory two tiles ahead), then - last split only - the n_b draft slots; only those tail
+// tiles test the 64-bit ancestor words.
 //
 // Work split (no partial sums of S are exchanged, no softmax is computed twice):
-//   S = Q K^T  : the [kBlockM x kBlockN] tile is kMTiles x (kBlockN / 8) = 4 units of 16 rows x
-//                8 keys; warp w computes unit (m tile w % kMTiles, keys w / kMTiles) over all 576
-//                dims (36 k16 steps, Q and K fragments by ldmatrix from shared memory; 16-row
-//                CTAs hold the Q fragments of 24 of the steps in registers);
+//   S = Q K^T  : the [kBlockM x kBlockN] tile is kMTiles x (kBlockN / 8) units of 16 rows x 8 keys,
+//                one per warp; warp w computes unit (m tile w % kMTiles, keys w / kMTiles) over all
+//                576 dims (36 k16 steps, K fragments by ldmatrix from shared memory; Q fragments
+//                too, except those of the first kQRegSteps steps, held in registers);
 //   softmax    : the unit's owner scales / masks it, and the owners of a row publish their row
 //                maxima (one float per row and warp); every warp then forms the same new row max
 //                from them, the owner writes P = exp2(S - max) once to shared memory (fp16/bf16)
 //                and keeps its share of the row sum;
-//   O += P V   : every warp owns 128 of the 512 output columns for all rows (the accumulator:
-//                kMTiles x 16 n8 tiles = 64 / 128 fp32 registers); A = P from shared memory,
-//                B = V^T by ldmatrix.trans of the same KV tile as K.
+//   O += P V   : every warp owns 512 / kWarps output columns for all rows (the accumulator:
+//                64 / 128 / 128 fp32 registers); A = P from shared memory, B = V^T by
+//                ldmatrix.trans of the same KV tile as K.
 // Barriers per tile: row maxima published, P written, and with 2 stages also tile landed.
 //
-// Shape. One unit of S per warp over the whole 576 dims needs kBlockM * kBlockN = 4 warps x 128;
+// Shape. One unit of S per warp over the whole 576 dims needs kBlockM * kBlockN = warps x 128;
 // the O accumulator (kBlockM x 512 fp32) over the CTA's threads must stay <= 128 registers per
-// thread (kBlockM <= 32 with 4 warps), and shared memory holds Q (kBlockM rows) + the KV stages
-// (kBlockN rows each) of 1152 bytes per row under sm_120's 99 KB per block:
-//   kBlockM = 32, kBlockN = 16: (32 + 3 * 16) * 1152 = 90 KB (+ P, row maxima, slot ids: 92.25 KB)
+// thread, and shared memory holds Q + the KV stages (kBlockN rows each) of 1152 bytes per row
+// under sm_120's 99 KB per block:
 //   kBlockM = 16, kBlockN = 32: (16 + 2 * 32) * 1152 = 90 KB (+ P, row maxima, slot ids: 92.5 KB)
-// 64 rows x 8 warps (FlashMLA's CTA) would need (64 + 2 * 16) * 1152 = 108 KB even with 16-key
-// tiles (and 144 registers of Q fragments per thread if Q were kept in registers instead), so it
-// does not fit sm_120 with mma.sync as it stands. The work split above would carry over (8 units
-// of 16 rows x 8 keys, 64 output columns per warp = 128 accumulator registers); what could make it
-// fit is a Q split: the fragments of the first few k16 steps in registers and only the other
-// steps' columns in shared memory (8 steps: 32 registers, Q 56 KB + two 16-key stages = 96 KB),
-// at the risk of spills beside the 128-register accumulator. Its gain, the KV streamed through
-// L2 half as often at H = 16, n = 16, is a GPU measurement.
+//   kBlockM = 32, kBlockN = 16: (32 + 3 * 16) * 1152 = 90 KB (+ P, row maxima, slot ids: 92.25 KB)
+//   kBlockM = 64, kBlockN = 16, 8 warps (FlashMLA's CTA shape): all of Q would take 72 KB, and
+//     (64 + 2 * 16) * 1152 = 108 KB does not fit; so the fragments of the first 8 k16 steps (128
+//     columns) stay in registers (32 per thread, beside the 128 of O: 255 in all, no spill) and
+//     the Q tile holds the other 448 columns: 56 KB + 2 * 18 KB = 92 KB (+ P etc.: 96 KB). It
+//     halves the KV read through L2 against 32-row CTAs when a request has more than 32 rows
+//     (H = 16 x n = 16: 4 CTAs, not 8) and gives sm_120 8 warps per SM instead of 4.
 //
 // With num_splits > 1 every split writes a normalised partial output and its base-2 log-sum-exp;
 // mla_merge_splits_kernel combines them in a fixed order (bitwise deterministic, no atomics).
@@ -50,15 +49,12 @@
 namespace spec_kernels {
 namespace {
 
-constexpr int kWarps = 4;
-constexpr int kThreads = kWarps * 32;
 constexpr int kD = kMlaHeadDim;
 constexpr int kDv = kMlaVHeadDim;
 constexpr int kChunks = kD / 8;             // 16-byte chunks per row: 72
 constexpr int kRowBytes = kD * 2;           // 1152
 constexpr int kKSteps = kD / 16;            // 36 k16 steps of S = Q K^T
-constexpr int kDvTiles = kDv / kWarps / 8;  // O += P V: 128 columns = 16 n8 tiles per warp
-static_assert(kKSteps % 4 == 0 && kChunks % 8 == 0 && kDvTiles % 8 == 0, "head dims must split evenly");
+static_assert(kKSteps % 4 == 0 && kChunks % 8 == 0, "head dims must split evenly");
 
 // A per-lane constant the tile loop reads: the opaque move keeps ptxas from recomputing it from the
 // thread id in every iteration.
@@ -83,6 +79,9 @@ __device__ __forceinline__ float ex2(float x) {
 template <int kMTiles>
 struct MlaTile {
   static constexpr int kBlockM = 16 * kMTiles;
+  static constexpr int kWarps = kMTiles == 4 ? 8 : 4;
+  static constexpr int kThreads = kWarps * 32;
+  static constexpr int kDvTiles = kDv / kWarps / 8;     // O += P V: n8 tiles (512 / kWarps columns) per warp
   static constexpr int kBlockN = 8 * kWarps / kMTiles;  // one 16 x 8 unit of S per warp
   static constexpr int kNWarps = kBlockN / 8;           // warps sharing one m tile's rows
   static constexpr int kStageElems = kBlockN * kD;
@@ -91,24 +90,36 @@ struct MlaTile {
   // P rows padded by 16 bytes: the 8 rows one ldmatrix reads fall in 8 different bank groups.
   static constexpr int kPStride = kBlockN * 2 + 16;
   static constexpr int kIdxStages = 4;  // slot ids of 4 tiles in flight, 8 bytes each
-  static constexpr int kSmemBytes = (kBlockM * kD + kStages * kStageElems) * 2 + kBlockM * kPStride +
+  // Q fragments of the first kQRegSteps k16 steps stay in registers: 16-row CTAs (a 64-register O
+  // accumulator) 24, saving ldmatrix; 64-row CTAs 8, so that Q fits: only the other 28 steps'
+  // columns (kQChunks) stay in shared memory, the first ones are staged in KV stage 0 at the start.
+  static constexpr int kQRegSteps = kMTiles == 1 ? 24 : kMTiles == 4 ? 8 : 0;
+  static constexpr int kQStagedChunks = kMTiles == 4 ? 2 * kQRegSteps : 0;  // not in the Q tile
+  static constexpr int kQChunks = kChunks - kQStagedChunks;
+  static constexpr int kSmemBytes = (kBlockM * kQChunks * 8 + kStages * kStageElems) * 2 + kBlockM * kPStride +
                                     kNWarps * kBlockM * 4 + kIdxStages * kBlockN * 8;
   static_assert(kBlockM * kBlockN == 128 * kWarps && kBlockN % 16 == 0, "one S unit per warp, whole k16 steps");
-  static_assert(kBlockN * 8 % kThreads == 0, "the gather gives every thread whole rows of 8 chunks");
+  static_assert(kDvTiles % 8 == 0, "a warp's output columns are whole 64-column blocks");
+  static_assert(kBlockN * 8 % kThreads == 0 || kThreads % (kBlockN * 8) == 0,
+                "the gather gives each of its threads whole rows of 8 chunks");
+  static_assert(kQStagedChunks % 8 == 0 && kQRegSteps % 4 == 0, "the Q split keeps the swizzle and q_off");
+  static_assert(kBlockM * kQStagedChunks * 16 <= kStageElems * 2, "the staged Q columns fit in KV stage 0");
   static_assert(kSmemBytes <= 99 * 1024, "sm_120 allows 99 KB of shared memory per block");
 };
 
 template <typename T, int kMTiles>
-__global__ void __launch_bounds__(kThreads) mla_tree_verify_kernel(const MlaParams p) {
+__global__ void __launch_bounds__(MlaTile<kMTiles>::kThreads) mla_tree_verify_kernel(const MlaParams p) {
   using Tile = MlaTile<kMTiles>;
+  constexpr int kThreads = Tile::kThreads, kDvTiles = Tile::kDvTiles;
+  constexpr int kQRegSteps = Tile::kQRegSteps, kQStagedChunks = Tile::kQStagedChunks, kQChunks = Tile::kQChunks;
   constexpr int kBlockM = Tile::kBlockM;
   constexpr int kBlockN = Tile::kBlockN;
   constexpr int kNWarps = Tile::kNWarps;
   extern __shared__ __align__(128) uint8_t smem[];
   T* s_q = reinterpret_cast<T*>(smem);
-  T* s_kv = s_q + kBlockM * kD;  // kStages stages of [kBlockN][kD]
+  T* s_kv = s_q + kBlockM * kQChunks * 8;  // kStages stages of [kBlockN][kD]
   uint8_t* s_p = reinterpret_cast<uint8_t*>(s_kv + Tile::kStages * Tile::kStageElems);  // [kBlockM][kPStride] bytes
-  float* s_red = reinterpret_cast<float*>(s_p + kBlockM * Tile::kPStride);  // [kNWarps][kBlockM]
+  float* s_red = reinterpret_cast<float*>(s_p + kBlockM * Tile::kPStride);  // [kBlockM][kNWarps]
   uint8_t* s_idx = reinterpret_cast<uint8_t*>(s_red + kNWarps * kBlockM);  // [4][kBlockN] x 8 B
 
   // ---- which rows, which request, which KV range
@@ -147,12 +158,17 @@ __global__ void __launch_bounds__(kThreads) mla_tree_verify_kernel(const MlaPara
     return r < rows_here && token >= 0 && token < p.num_tokens ? token : -1;
   };
 
-  // ---- Q block (rows past rows_here are zero-filled)
+  // ---- Q block (rows past rows_here are zero-filled): chunks from kQStagedChunks on to the Q tile
+  // (rows of kQChunks), the first ones (64-row CTAs) to KV stage 0 until they are in registers
   for (int i = threadIdx.x; i < kBlockM * kChunks; i += kThreads) {
     const int r = i / kChunks, c = i % kChunks;
     const int64_t token = row_token(r);
     const T* src = token < 0 ? q : q + token * p.q_stride_t + ((row0 + r) % H) * p.q_stride_h + c * 8;
-    cp_async_16(smem_addr(s_q + swizzled<kChunks>(r, c)), src, token >= 0);
+    T* dst = s_q + swizzled<kQChunks>(r, c - kQStagedChunks);
+    if constexpr (kQStagedChunks > 0) {
+      if (c < kQStagedChunks) dst = s_kv + swizzled<kQStagedChunks>(r, c);
+    }
+    cp_async_16(smem_addr(dst), src, token >= 0);
   }
 
   // Tile t covers key positions [base, base + kBlockN) clipped to end: prefix tiles first.
@@ -182,10 +198,12 @@ __global__ void __launch_bounds__(kThreads) mla_tree_verify_kernel(const MlaPara
   const T* gather_src = pinned(kv + threadIdx.x % 8 * 8);
   const uint32_t gather_dst = pinned(smem_addr(s_kv + swizzled<kChunks>(threadIdx.x / 8, threadIdx.x % 8)));
   auto load_tile = [&](int t, int stage) {
+    // 8 warps, 16 keys: the first 4 warps gather (warp-uniform)
+    if (kBlockN * 8 < kThreads && threadIdx.x >= kBlockN * 8) return;
     const int base = tile_base(t), end = tile_end(t);
     const uint8_t* ids = s_idx + (t % Tile::kIdxStages) * kBlockN * 8;
 #pragma unroll
-    for (int rr = 0; rr < kBlockN * 8 / kThreads; ++rr) {
+    for (int rr = 0; rr < (kBlockN * 8 + kThreads - 1) / kThreads; ++rr) {
       const int r = gather_row + rr * (kThreads / 8);  // r & 7 as for gather_dst
       const int64_t at = kv_start + base + r;
       const int64_t slot = !(base + r < end && at >= 0 && at < p.num_indices) ? -1 : staged_slot_id(p, ids, r);
@@ -227,8 +245,10 @@ __global__ void __launch_bounds__(kThreads) mla_tree_verify_kernel(const MlaPara
   // ldmatrix lane addresses (bytes). Rows are 1152 bytes; row & 7 == lane & 7 in all three, so a
   // chunk 8 K + c is stored at 8 K + (c ^ (lane & 7)): per lane a few offsets, the rest immediates.
   const int x7 = lane & 7;
-  // Q (A of S): rows mw * 16 + (lane / 8 % 2) * 8 + lane % 8, chunk 2 kk + lane / 16.
-  const uint32_t q_lane = smem_addr(s_q) + (mw * 16 + (lane / 8 % 2) * 8 + x7) * kRowBytes;
+  // Q (A of S): rows mw * 16 + (lane / 8 % 2) * 8 + lane % 8, chunk 2 kk + lane / 16 (of the Q
+  // tile: 2 kk + lane / 16 - kQStagedChunks).
+  const int q_row = mw * 16 + (lane / 8 % 2) * 8 + x7;
+  const uint32_t q_lane = smem_addr(s_q) + q_row * kQChunks * 16;
   uint32_t q_off[4];
 #pragma unroll
   for (int j = 0; j < 4; ++j) q_off[j] = pinned(q_lane + (((2 * j + lane / 16) ^ x7) << 4));
@@ -236,17 +256,28 @@ __global__ void __launch_bounds__(kThreads) mla_tree_verify_kernel(const MlaPara
   uint32_t k_off[2];
 #pragma unroll
   for (int j = 0; j < 2; ++j) k_off[j] = pinned((nw * 8 + x7) * kRowBytes + (((4 * j + lane / 8) ^ x7) << 4));
-  // V^T (B of P V, ldmatrix.trans): key (lane / 8 % 2) * 8 + lane % 8, chunk warp * 16 + d + lane / 16.
+  // V^T (B of P V, ldmatrix.trans): key (lane / 8 % 2) * 8 + lane % 8, chunk warp * kDvTiles + d + lane / 16.
   uint32_t v_off[4];
 #pragma unroll
   for (int j = 0; j < 4; ++j) {
-    v_off[j] = pinned(((lane / 8 % 2) * 8 + x7) * kRowBytes + warp * 16 * 16 + (((2 * j + lane / 16) ^ x7) << 4));
+    v_off[j] = pinned(((lane / 8 % 2) * 8 + x7) * kRowBytes + warp * kDvTiles * 16 + (((2 * j + lane / 16) ^ x7) << 4));
   }
   // P (A of P V): rows mt * 16 + (lane / 8 % 2) * 8 + lane % 8, 8-key chunk 2 ks + lane / 16.
   const uint32_t p_lane = pinned(smem_addr(s_p) + ((lane / 8 % 2) * 8 + x7) * Tile::kPStride + (lane / 16) * 16);
   const uint32_t kv_smem = smem_addr(s_kv);
   const int s_col = static_cast<int>(pinned(nw * 8 + t4 * 2));  // the S unit's first key (of s[0], s[2])
-  const int red_at = static_cast<int>(pinned(nw * kBlockM + mw * 16 + g));  // s_red cell of row mw * 16 + g
+  const int red_at = static_cast<int>(pinned((mw * 16 + g) * kNWarps + nw));  // s_red cell of row mw * 16 + g
+  // A row's kNWarps cells (one per warp of its m tile) in one vector load.
+  auto row_cells = [&](int r, float(&c)[kNWarps]) {
+    static_assert(kNWarps == 2 || kNWarps == 4, "row cells are one float2 / float4");
+    if constexpr (kNWarps == 4) {
+      const float4 v = *reinterpret_cast<const float4*>(s_red + r * 4);
+      c[0] = v.x, c[1] = v.y, c[2] = v.z, c[3] = v.w;
+    } else {
+      const float2 v = *reinterpret_cast<const float2*>(s_red + r * 2);
+      c[0] = v.x, c[1] = v.y;
+    }
+  };
   uint8_t* const p_at = s_p + pinned((mw * 16 + g) * Tile::kPStride + s_col * 2);  // P of s[0], s[1]
 
   // Slot ids of tiles 0 and 1 (with Q) visible to every thread before the first gathers; every
@@ -262,12 +293,17 @@ __global__ void __launch_bounds__(kThreads) mla_tree_verify_kernel(const MlaPara
   cp_async_commit();
   cp_async_wait<0>();
   __syncthreads();
-  // 16-row CTAs (a 64-register O accumulator) keep the Q fragments of the first kQRegSteps k16
-  // steps in registers: per tile and warp 24 of the 72 ldmatrix fewer.
-  constexpr int kQRegSteps = kMTiles == 1 ? 24 : 0;
+  // The Q fragments of the first kQRegSteps k16 steps into registers (Tile::kQRegSteps).
   uint32_t q_reg[kQRegSteps > 0 ? kQRegSteps : 1][4];
+  if constexpr (kQStagedChunks > 0) {
+    const uint32_t staged = smem_addr(s_kv) + q_row * kQStagedChunks * 16;
 #pragma unroll
-  for (int kk = 0; kk < kQRegSteps; ++kk) ldmatrix_x4(q_reg[kk], q_off[kk % 4] + (kk / 4) * 128);
+    for (int kk = 0; kk < kQRegSteps; ++kk) ldmatrix_x4(q_reg[kk], staged + (((2 * kk + lane / 16) ^ x7) << 4));
+    __syncthreads();  // the staged Q columns are KV stage 0: tile 0 refills it
+  } else {
+#pragma unroll
+    for (int kk = 0; kk < kQRegSteps; ++kk) ldmatrix_x4(q_reg[kk], q_off[kk % 4] + (kk / 4) * 128);
+  }
   if (total_tiles > 0) load_tile(0, 0);
   load_indices(2);
   cp_async_commit();  // tile 0 (and tile 2's ids)
@@ -305,7 +341,7 @@ __global__ void __launch_bounds__(kThreads) mla_tree_verify_kernel(const MlaPara
           mma_16816<T>(s2[h], q_reg[kk < kQRegSteps ? kk : 0], b[2 * h], b[2 * h + 1]);
         } else {
           uint32_t a[4];
-          ldmatrix_x4(a, q_off[kk % 4] + (kk / 4) * 128);
+          ldmatrix_x4(a, q_off[kk % 4] + ((kk - kQStagedChunks / 2) / 4) * 128);
           mma_16816<T>(s2[h], a, b[2 * h], b[2 * h + 1]);
         }
       }
@@ -338,13 +374,13 @@ __global__ void __launch_bounds__(kThreads) mla_tree_verify_kernel(const MlaPara
       }
     }
 
-    // the unit's row maxima (a quad of lanes shares a row) -> s_red[nw][row]
+    // the unit's row maxima (a quad of lanes shares a row) -> s_red[row][nw]
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
       float mx = fmaxf(s[2 * h], s[2 * h + 1]);
       mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
       mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
-      if (t4 == 0) s_red[red_at + h * 8] = mx;
+      if (t4 == 0) s_red[red_at + h * 8 * kNWarps] = mx;
     }
     __syncthreads();  // row maxima published
     if constexpr (Tile::kStages == 3) {
@@ -358,16 +394,19 @@ __global__ void __launch_bounds__(kThreads) mla_tree_verify_kernel(const MlaPara
       }
     }
 
-    // every warp: the new max of all its O rows (same values, same order in every warp)
+    // every warp: the new max of all its O rows (same values, same order in every warp). m_safe
+    // is finite: a row with no visible key so far (mx = -inf) subtracts -FLT_MAX, which keeps
+    // 2^(-inf - m_safe) = 0 and needs no select.
     float alpha[kMTiles][2], m_safe[kMTiles][2];
 #pragma unroll
     for (int mt = 0; mt < kMTiles; ++mt) {
 #pragma unroll
       for (int h = 0; h < 2; ++h) {
-        float mx = m_i[mt][h];
+        float mx = m_i[mt][h], cells[kNWarps];
+        row_cells(mt * 16 + g + h * 8, cells);
 #pragma unroll
-        for (int n = 0; n < kNWarps; ++n) mx = fmaxf(mx, s_red[n * kBlockM + mt * 16 + g + h * 8]);
-        m_safe[mt][h] = mx == -INFINITY ? 0.f : mx;
+        for (int n = 0; n < kNWarps; ++n) mx = fmaxf(mx, cells[n]);
+        m_safe[mt][h] = fmaxf(mx, -FLT_MAX);
         alpha[mt][h] = ex2(m_i[mt][h] - m_safe[mt][h]);
         m_i[mt][h] = mx;
       }
@@ -422,11 +461,11 @@ __global__ void __launch_bounds__(kThreads) mla_tree_verify_kernel(const MlaPara
     float l = l_own[h];
     l += __shfl_xor_sync(0xffffffffu, l, 1);
     l += __shfl_xor_sync(0xffffffffu, l, 2);
-    if (t4 == 0) s_red[red_at + h * 8] = l;
+    if (t4 == 0) s_red[red_at + h * 8 * kNWarps] = l;
   }
   __syncthreads();
 
-  // ---- epilogue: every warp writes its 128 columns; rows that saw no key get zeros, lse = -inf
+  // ---- epilogue: every warp writes its 512 / kWarps columns; rows that saw no key get zeros, lse = -inf
   // (selected, not 0 * acc: acc may hold NaN from a V row of a draft slot the row does not see)
   const int col0 = warp * kDvTiles * 8;
 #pragma unroll
@@ -434,9 +473,10 @@ __global__ void __launch_bounds__(kThreads) mla_tree_verify_kernel(const MlaPara
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
       const int r = mt * 16 + g + h * 8;
-      float l = 0.f;
+      float l = 0.f, cells[kNWarps];
+      row_cells(r, cells);
 #pragma unroll
-      for (int n = 0; n < kNWarps; ++n) l += s_red[n * kBlockM + r];
+      for (int n = 0; n < kNWarps; ++n) l += cells[n];
       const int64_t token = row_token(r);
       if (token < 0) continue;
       const int head = (row0 + r) % H;
@@ -486,7 +526,7 @@ cudaError_t launch(const MlaParams& p, cudaStream_t stream) {
   if (attr_err != cudaSuccess) return attr_err;
   const int m_blocks = (p.max_rows + 16 * kMTiles - 1) / (16 * kMTiles);
   const dim3 grid(static_cast<unsigned>(p.num_requests) * m_blocks, p.num_splits);
-  mla_tree_verify_kernel<T, kMTiles><<<grid, kThreads, kSmem, stream>>>(p);
+  mla_tree_verify_kernel<T, kMTiles><<<grid, MlaTile<kMTiles>::kThreads, kSmem, stream>>>(p);
   cudaError_t err = cudaGetLastError();
   if (err != cudaSuccess || p.num_splits == 1) return err;
   mla_merge_splits_kernel<T><<<static_cast<unsigned>(p.num_tokens) * p.num_heads, 128, 0, stream>>>(p);
@@ -495,7 +535,11 @@ cudaError_t launch(const MlaParams& p, cudaStream_t stream) {
 
 template <typename T>
 cudaError_t launch_for_rows(const MlaParams& p, cudaStream_t stream) {
-  return mla_block_m(p.max_rows) == 16 ? launch<T, 1>(p, stream) : launch<T, 2>(p, stream);
+  switch (mla_block_m(p.max_rows)) {
+    case 16: return launch<T, 1>(p, stream);
+    case 32: return launch<T, 2>(p, stream);
+    default: return launch<T, 4>(p, stream);
+  }
 }
 
 }  // namespace

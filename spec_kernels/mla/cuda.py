@@ -16,7 +16,7 @@ HEAD_DIM, V_HEAD_DIM = 576, 512  # kMlaHeadDim / kMlaVHeadDim in csrc/include/sp
 
 def block_m(rows: int) -> int:
     """Rows per CTA: mla_block_m() in csrc/include/spec_kernels/mla.h."""
-    return 16 if rows <= 16 else 32
+    return 16 if rows <= 16 else 32 if rows <= 32 else 64
 
 
 def supports(q, kv_cache, v_head_dim, *_) -> Optional[str]:

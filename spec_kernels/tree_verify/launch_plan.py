@@ -124,8 +124,8 @@ class KernelResources:
 # Tree verify by (head dim, rows per CTA): 64 rows is the default configuration, 32 the D = 128
 # decode one, 128 the D = 128 one for more than 64 rows (TileConfig<D, rows>).
 CUDA_TREE_VERIFY_REGS = {(64, 64): 156, (128, 64): 243, (256, 64): 255, (128, 32): 190, (128, 128): 233}
-CUDA_MLA_REGS = {16: 250, 32: 233}  # BLOCK_M (mla_block_m) -> registers
-_CUDA_THREADS = 128  # kWarps = 4 in both kernels (tree verify's 128-row configuration: 8)
+CUDA_MLA_REGS = {16: 250, 32: 233, 64: 253}  # BLOCK_M (mla_block_m) -> registers
+_CUDA_THREADS = 128  # kWarps = 4 in both kernels (8 in tree verify's 128-row and MLA's 64-row configurations)
 
 
 def cuda_tree_verify_resources(head_dim: int, block_m: int = 64) -> KernelResources:
@@ -165,14 +165,17 @@ def cuda_tree_verify_kernel(head_dim: int, rows: int) -> Callable[[DeviceLimits]
 
 
 def cuda_mla_resources(block_m: int) -> KernelResources:
-    """csrc/mla/mla_tree_verify_attention.cu: Q tile, 2 (block_m 16) or 3 (block_m 32) stages of
-    block_n = 512 / block_m keys, P (rows padded by 16 bytes), the row maxima, the slot ids of 4
-    tiles (MlaTile::kSmemBytes)."""
-    block_n = 512 // block_m
+    """csrc/mla/mla_tree_verify_attention.cu (MlaTile::kSmemBytes): 4 warps (8 at block_m 64), Q
+    tile (576 columns; 448 at block_m 64, whose first 128 stay in registers), 3 (block_m 32) or 2
+    stages of block_n = 8 x warps x 16 / block_m keys, P (rows padded by 16 bytes), the row maxima,
+    the slot ids of 4 tiles."""
+    threads = 2 * _CUDA_THREADS if block_m == 64 else _CUDA_THREADS
+    block_n = threads * 4 // block_m
     stages = 3 if block_m == 32 else 2
-    smem = ((block_m * 576 + stages * block_n * 576) * 2 + block_m * (block_n * 2 + 16)
+    q_cols = 448 if block_m == 64 else 576
+    smem = ((block_m * q_cols + stages * block_n * 576) * 2 + block_m * (block_n * 2 + 16)
             + block_n // 8 * block_m * 4 + 4 * block_n * 8)
-    return KernelResources(_CUDA_THREADS, CUDA_MLA_REGS.get(block_m, 255), smem)
+    return KernelResources(threads, CUDA_MLA_REGS.get(block_m, 255), smem)
 
 
 # Triton kernels, from `python tools/triton_compile_report.py --ci --kernels tree_verify,mla`
@@ -360,7 +363,9 @@ def plan_shape(shape: Shape, limits: DeviceLimits, impl: str = "cuda") -> tuple[
     rows = expected_rows(T, shape.B, group, decode, shape.n)
     if impl == "cuda":
         if shape.mla:
-            block_m = 16 if grid_rows <= 16 else 32
+            from ..mla.cuda import block_m as mla_block_m
+
+            block_m = mla_block_m(grid_rows)
             kernel = cuda_mla_resources(block_m)
         else:
             block_m = cuda_tree_verify_block_m(shape.head_dim, grid_rows, limits)

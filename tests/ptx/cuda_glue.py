@@ -212,17 +212,21 @@ class PtxCudaOps:
         raw = bytes(p)
         mod = self._module("mla/mla_tree_verify_attention.cu")
         tname = "13__nv_bfloat16" if q.dtype == torch.bfloat16 else "6__half"
-        # launch_for_rows(): mla_block_m(max_rows) = 16 (1 m tile) or 32 (2); launch(): 4 warps,
-        # MlaTile<kMTiles>: block_n = 32 / m tiles keys per tile, 2 or 3 (2 m tiles) KV stages; kSmemBytes =
-        # (block_m * 576 + stages * block_n * 576) * 2 + P (block_m rows of block_n * 2 + 16 bytes)
-        # + row maxima (block_n / 8 x block_m floats) + 4 stages of block_n slot ids x 8 bytes
-        m_tiles = 1 if max_rows <= 16 else 2
-        block_m, block_n, stages = 16 * m_tiles, 32 // m_tiles, 1 + m_tiles
-        smem = ((block_m * 576 + stages * block_n * 576) * 2 + block_m * (block_n * 2 + 16)
+        # launch_for_rows(): mla_block_m(max_rows) = 16 (1 m tile), 32 (2) or 64 (4); launch():
+        # MlaTile<kMTiles>: 4 warps (8 for 4 m tiles), block_n = 8 x warps / m tiles keys per tile,
+        # 3 KV stages for 2 m tiles, else 2; the Q tile holds 576 columns (64 rows: the last 448, the
+        # first 128 are in registers); kSmemBytes = (block_m * q_cols + stages * block_n * 576) * 2
+        # + P (block_m rows of block_n * 2 + 16 bytes) + row maxima (block_n / 8 x block_m floats)
+        # + 4 stages of block_n slot ids x 8 bytes
+        m_tiles = 1 if max_rows <= 16 else 2 if max_rows <= 32 else 4
+        warps = 8 if m_tiles == 4 else 4
+        block_m, block_n, stages = 16 * m_tiles, 8 * warps // m_tiles, 3 if m_tiles == 2 else 2
+        q_cols = 448 if m_tiles == 4 else 576
+        smem = ((block_m * q_cols + stages * block_n * 576) * 2 + block_m * (block_n * 2 + 16)
                 + block_n // 8 * block_m * 4 + 4 * block_n * 8)
         m_blocks = -(-max_rows // block_m)
-        self._run(m, mod, f"mla_tree_verify_kernelI{tname}Li{m_tiles}E", (B * m_blocks, num_splits), (128,),
-                  [raw], smem)
+        self._run(m, mod, f"mla_tree_verify_kernelI{tname}Li{m_tiles}E", (B * m_blocks, num_splits),
+                  (warps * 32,), [raw], smem)
         if num_splits > 1:
             self._run(m, mod, f"mla_merge_splits_kernelI{tname}E", (T * H,), (128,), [raw])
         buf.copy_back()

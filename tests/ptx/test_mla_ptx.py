@@ -99,7 +99,7 @@ def assert_matches(c, out, lse, ref, ref_lse):
 
 
 def assert_reads_each_kv_row_once_per_row_block(ops, c, max_rows):
-    """The kernel's point: every (request, 16/32-row block) CTA streams the request's KV rows once
+    """The kernel's point: every (request, 16/32/64-row block) CTA streams the request's KV rows once
     for all its query rows, over all splits together (prefix shares + the tail in the last split),
     and the swizzled 1152-byte rows give no shared-memory bank conflicts (cp.async stores,
     ldmatrix of Q, K and V^T)."""
@@ -127,10 +127,13 @@ def assert_reads_each_kv_row_once_per_row_block(ops, c, max_rows):
         # fp16, 2 splits of a 33-key prefix: ceil(33 / 2) rounded up to whole 16-key tiles = 32 + 1
         # (a one-key partial tile)
         pytest.param(torch.float16, [2, 1], [33, 0], 3, 2, 0, torch.int32, id="f16-tree-split2"),
-        # 3 drafts x 16 heads = 48 rows: two 32-row blocks per request, the second half empty
-        pytest.param(torch.float16, [3], [7], 16, 1, 0, torch.int32, id="f16-tree-two-row-blocks"),
-        # 17 drafts: two tail tiles (mask bit 16 in the second); 64 drafts x 1 head: two 32-row
-        # blocks, four tail tiles, mask bit 63 (the sign bit of the int64 word)
+        # 3 drafts x 16 heads = 48 rows: one 64-row CTA (8 warps), rows 48-63 empty
+        pytest.param(torch.float16, [3], [7], 16, 1, 0, torch.int32, id="f16-tree-bm64"),
+        # 5 x 16 = 80 and 2 x 16 = 32 rows: two 64-row blocks per request (the second 16 rows or
+        # none), 2 splits of a 40-key prefix (32 + 8 keys: 16-key tiles)
+        pytest.param(torch.bfloat16, [5, 2], [40, 9], 16, 2, 0, torch.int64, id="bf16-tree-bm64-two-row-blocks"),
+        # 17 drafts: two tail tiles (mask bit 16 in the second); 64 drafts x 1 head: one 64-row
+        # block, four tail tiles, mask bit 63 (the sign bit of the int64 word)
         pytest.param(torch.bfloat16, [17, 2], [3, 20], 1, 2, 0, torch.int32, id="bf16-tree-17-drafts"),
         pytest.param(torch.float16, [64], [0], 1, 1, 0, torch.int64, id="f16-tree-64-drafts"),
     ],

@@ -66,11 +66,14 @@ MUTANTS = {
         "s[e] = s2[0][e] + s2[1][e];", "s[e] = s2[0][e];", "mismatch"),
     "mla_owner_max_only": (
         MLA, "every warp rescales O with its own units' row maxima only (no exchange)",
-        "mx = fmaxf(mx, s_red[n * kBlockM + mt * 16 + g + h * 8]);",
-        "mx = fmaxf(mx, s_red[nw * kBlockM + mt * 16 + g + h * 8]);", "mismatch"),
+        "for (int n = 0; n < kNWarps; ++n) mx = fmaxf(mx, cells[n]);",
+        "for (int n = 0; n < kNWarps; ++n) mx = n == nw ? fmaxf(mx, cells[n]) : mx;", "mismatch"),
     "mla_row_sum_own_share": (
         MLA, "the epilogue takes one warp's share of the row sum",
-        "l += s_red[n * kBlockM + r];", "l += s_red[r];", "mismatch"),
+        "for (int n = 0; n < kNWarps; ++n) l += cells[n];", "l += cells[0];", "mismatch"),
+    "mla_m_safe_unclamped_latekey": (
+        MLA, "the softmax offset of a row with no visible key yet is -inf (not clamped to -FLT_MAX)",
+        "m_safe[mt][h] = fmaxf(mx, -FLT_MAX);", "m_safe[mt][h] = mx;", "mismatch"),
     "mla_no_rescale": (
         MLA, "O is not rescaled when the row max grows",
         "acc[mt][d][e] *= alpha[mt][e >> 1];", "acc[mt][d][e] *= 1.f;", "mismatch"),
@@ -113,6 +116,19 @@ MUTANTS = {
     "mla_no_row_sum_sync": (
         MLA, "no __syncthreads between publishing and reading the row sums",
         "  __syncthreads();\n\n  // ---- epilogue", "\n  // ---- epilogue", RACE),
+    # ---- MLA, 64-row CTAs (8 warps, Q split between registers and shared memory)
+    "mla_q_staged_no_sync_bm64": (
+        MLA, "64 rows: no __syncthreads between reading the staged Q columns and gathering tile 0 over them",
+        "    __syncthreads();  // the staged Q columns are KV stage 0", "    // the staged Q columns are KV stage 0", RACE),
+    "mla_q_tile_step_offset_bm64": (
+        MLA, "64 rows: Q tile read at the step's full-row column, not past the columns held in registers",
+        "((kk - kQStagedChunks / 2) / 4) * 128", "(kk / 4) * 128", "that a cp.async has not completed"),
+    "mla_gather_all_threads_bm64": (
+        MLA, "64 rows: all 8 warps gather, the last 4 past the 16-key stage",
+        "    if (kBlockN * 8 < kThreads && threadIdx.x >= kBlockN * 8) return;\n", "", "outside the"),
+    "mla_v_columns_bm64": (
+        MLA, "64 rows: a warp's V columns at 128 per warp (the 4-warp width), not 64",
+        "warp * kDvTiles * 16 +", "warp * 16 * 16 +", "that a cp.async has not completed"),
     # ---- fused add + RMSNorm (MUTANTS["norm"]); warp_sum is in the header the .cu includes
     "norm_warp_sum_missing_lane": (
         ROW, "warp_sum: the butterfly stops at offset 2 (lane l + l^1 never added)",
@@ -167,11 +183,34 @@ def run_mla32(ops, monkeypatch):
     mla.assert_matches(c, out, lse, ref, ref_lse)
 
 
+def run_mla64(ops, monkeypatch):
+    # bf16, 5 drafts x 9 heads (45 rows: a 64-row CTA of 8 warps, 16-key tiles, 2 KV stages; rows
+    # 45-63 empty) after 40 prefix keys: 3 prefix tiles (the third a partial one, 8 keys) and a tail
+    # tile, so tiles 2 and 3 are gathered into the stages tiles 0 and 1 were read from.
+    monkeypatch.setattr(mla_cuda, "cuda_ops", lambda: ops)
+    c = mla.make_case([5], [40], 9, torch.bfloat16, seed=8)
+    out, lse, ref, ref_lse = mla.run_both(c, splits=1)
+    assert [name for name, *_ in ops.launches][0].endswith("Li4E")
+    mla.assert_matches(c, out, lse, ref, ref_lse)
+
+
+def run_mla_late_first_key(ops, monkeypatch):
+    # bf16, 18 drafts x 1 head after an empty prefix (a 32-row CTA, 16-key tiles): draft 17 is a root
+    # (it sees only itself), so its row has no visible key in the first tile and its first one in
+    # the second: the online softmax must carry a row that has seen nothing yet.
+    monkeypatch.setattr(mla_cuda, "cuda_ops", lambda: ops)
+    c = mla.make_case([18], [0], 1, torch.bfloat16, seed=9)
+    c["tree_mask"][17] = 1 << 17
+    out, lse, ref, ref_lse = mla.run_both(c, splits=1)
+    mla.assert_matches(c, out, lse, ref, ref_lse)
+
+
 RUNNERS = {MLA: run_mla, ROW: run_norm, NORM: run_norm}
 
 
 def runner(name, path):
-    return run_mla32 if name.endswith("_bm32") else RUNNERS[path]
+    special = {"_bm32": run_mla32, "_bm64": run_mla64, "_latekey": run_mla_late_first_key}
+    return next((run for end, run in special.items() if name.endswith(end)), RUNNERS[path])
 
 
 def _caught(name, what, expect, run):
@@ -185,7 +224,8 @@ def _caught(name, what, expect, run):
         f"{name}: expected to be caught by {expect}, got {got}: {first}"
 
 
-@pytest.mark.parametrize("run", [run_mla, run_mla32, run_norm], ids=["mla", "mla32", "norm"])
+@pytest.mark.parametrize("run", [run_mla, run_mla32, run_mla64, run_mla_late_first_key, run_norm],
+                         ids=["mla", "mla32", "mla64", "mla-late-key", "norm"])
 def test_unmutated_case_passes(run, monkeypatch):
     run(PtxCudaOps(), monkeypatch)
 

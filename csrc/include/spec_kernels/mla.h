@@ -15,8 +15,9 @@ constexpr int kMlaHeadDim = 576;
 constexpr int kMlaVHeadDim = 512;
 
 // Rows per CTA (n_b drafts x H heads, packed): 16 when no request has more (decode with <= 16
-// heads), else 32. Exported so that the caller sizes the KV splits like the launch does.
-constexpr int mla_block_m(int max_rows) { return max_rows <= 16 ? 16 : 32; }
+// heads), 32 up to 32 rows, else 64 (8 warps). Exported so that the caller sizes the KV splits
+// like the launch does.
+constexpr int mla_block_m(int max_rows) { return max_rows <= 16 ? 16 : max_rows <= 32 ? 32 : 64; }
 
 // All pointers are device pointers. Request b owns queries qo_indptr[b]..qo_indptr[b+1] (decode:
 // qo_indptr == nullptr, query b only) and KV slots kv_indices[kv_indptr[b]..kv_indptr[b+1]]: its
