@@ -124,7 +124,7 @@ class KernelResources:
 # Tree verify by (head dim, rows per CTA): 64 rows is the default configuration, 32 the D = 128
 # decode one, 128 the D = 128 one for more than 64 rows (TileConfig<D, rows>).
 CUDA_TREE_VERIFY_REGS = {(64, 64): 156, (128, 64): 243, (256, 64): 255, (128, 32): 190, (128, 128): 233}
-CUDA_MLA_REGS = {16: 250, 32: 233, 64: 253}  # BLOCK_M (mla_block_m) -> registers
+CUDA_MLA_REGS = {16: 252, 32: 235, 64: 255}  # BLOCK_M (mla_block_m) -> registers
 _CUDA_THREADS = 128  # kWarps = 4 in both kernels (8 in tree verify's 128-row and MLA's 64-row configurations)
 
 
