@@ -158,6 +158,8 @@ def test_tree_verify_matches_reference(ops, dtype, ns, prefixes, heads, splits, 
         pytest.param(torch.bfloat16, [0, 1, 40], 16, 2, id="bf16-decode-h16-split2"),
         # odd head count, no split
         pytest.param(torch.float16, [9, 3], 5, 1, id="f16-decode-h5-split1"),
+        # 40 heads -> one 64-row CTA (8 warps) per request, rows 40-63 empty; 2 splits
+        pytest.param(torch.bfloat16, [20, 3], 40, 2, id="bf16-decode-h40-bm64"),
     ],
 )
 def test_decode_matches_reference(ops, dtype, prefixes, heads, splits):
