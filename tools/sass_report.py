@@ -70,7 +70,7 @@ SMEM_EXPRS = {
     "mla_tree_verify_kernel": ("MlaTile<{D}>::kSmemBytes", ("1", "2", "4")),
 }
 # Threads per CTA of each kernel's launch (kThreads = kWarps * 32 = 128; merges: the literal), and
-# of the instances that differ (tree verify's 128-row configuration: 8 warps).
+# of the instances that differ (8 warps: tree verify's 128-row and MLA's 64-row configurations).
 THREADS = {"tree_verify_kernel": 128, "mla_tree_verify_kernel": 128, "merge_splits_kernel": 64,
            "mla_merge_splits_kernel": 128}
 INSTANCE_THREADS = {"tree_verify_kernel/128, 128": 256, "mla_tree_verify_kernel/4": 256}

@@ -119,7 +119,8 @@ MUTANTS = {
     # ---- MLA, 64-row CTAs (8 warps, Q split between registers and shared memory)
     "mla_q_staged_no_sync_bm64": (
         MLA, "64 rows: no __syncthreads between reading the staged Q columns and gathering tile 0 over them",
-        "    __syncthreads();  // the staged Q columns are KV stage 0", "    // the staged Q columns are KV stage 0", RACE),
+        "    __syncthreads();  // the staged Q columns are KV stage 0",
+        "    // the staged Q columns are KV stage 0", RACE),
     "mla_q_tile_step_offset_bm64": (
         MLA, "64 rows: Q tile read at the step's full-row column, not past the columns held in registers",
         "((kk - kQStagedChunks / 2) / 4) * 128", "(kk / 4) * 128", "that a cp.async has not completed"),
