@@ -117,19 +117,15 @@ def test_unmutated_case_passes():
     run_tree_verify_wide(PtxCudaOps())
 
 
-@pytest.mark.parametrize("name", sorted(MUTANTS))
+# Each mutant with the case that runs its configuration.
+CASES = {**{name: (MUTANTS[name], run_tree_verify) for name in MUTANTS},
+         **{name: (WIDE_MUTANTS[name], run_tree_verify_wide) for name in WIDE_MUTANTS}}
+
+
+@pytest.mark.parametrize("name", sorted(CASES))
 def test_mutant_is_caught(name):
-    path, what, old, new = MUTANTS[name]
+    (path, what, old, new), run = CASES[name]
     ops = PtxCudaOps(patched={path: patched(path, old, new)})
     with pytest.raises((AssertionError, SimError)) as info:
-        run_tree_verify(ops)
-    print(f"{name} ({what}) caught: {str(info.value).splitlines()[0][:200]}")
-
-
-@pytest.mark.parametrize("name", sorted(WIDE_MUTANTS))
-def test_wide_mutant_is_caught(name):
-    path, what, old, new = WIDE_MUTANTS[name]
-    ops = PtxCudaOps(patched={path: patched(path, old, new)})
-    with pytest.raises((AssertionError, SimError)) as info:
-        run_tree_verify_wide(ops)
+        run(ops)
     print(f"{name} ({what}) caught: {str(info.value).splitlines()[0][:200]}")
