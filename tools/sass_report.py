@@ -47,6 +47,7 @@ after comparisons. One file and arch takes about 10-20 s on 2 CPU cores.
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import os
 import re
@@ -61,7 +62,8 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if REPO not in sys.path:
     sys.path.insert(0, REPO)
 
-from tools.ptxsim.build import CUDA_ARCHS, find_nvcc, nvcc_flags  # noqa: E402
+from tools.ptxsim.build import (CUDA_ARCHS, cache_dir, find_nvcc, headers_digest, nvcc_flags,  # noqa: E402
+                                nvcc_version, write_atomic)
 
 SOURCES = ("csrc/tree_verify/tree_verify_attention.cu", "csrc/mla/mla_tree_verify_attention.cu")
 # The compile-time constant each kernel launches with as dynamic shared memory, per instance.
@@ -108,20 +110,32 @@ def _source_text(rel: str, rev: Optional[str]) -> str:
 
 
 def compile_cubin(rel: str, arch: str, tmp: str, rev: Optional[str] = None) -> str:
-    """nvcc -cubin of one source (the checkout's, or its text at `rev`), the extension's flags."""
+    """nvcc -cubin of one source (the checkout's, or its text at `rev`), the extension's flags. The
+    cubin is kept in cache_dir()/cubin under a sha256 of the source text, the headers, the flags and
+    `nvcc --version`, so an unchanged kernel is not compiled again; an edited one always is."""
     nvcc = find_nvcc()
     if nvcc is None:
         raise RuntimeError("nvcc not found (set CUDA_HOME)")
+    text = _source_text(rel, rev)
+    # Quoted includes of the .cu's own directory resolve as they would in place.
+    flags = [x for x in nvcc_flags(arch) if x != "-ptx"] + [f"-I{os.path.join(REPO, os.path.dirname(rel))}"]
+    h = hashlib.sha256()
+    for part in ("sass-report-cubin-1", rel, text, headers_digest(), "\0".join(flags).replace(REPO, "<repo>"),
+                 nvcc_version(nvcc)):
+        h.update(part.encode() + b"\0")
+    entry = os.path.join(cache_dir(), "cubin", f"{os.path.basename(rel)}.{arch}.{h.hexdigest()[:24]}.cubin")
+    if os.path.isfile(entry):
+        return entry
     src = os.path.join(tmp, os.path.basename(rel))
     with open(src, "w", encoding="utf-8") as f:
-        f.write(_source_text(rel, rev))
+        f.write(text)
     out = os.path.join(tmp, f"{os.path.basename(rel)}.{arch}.cubin")
-    flags = [x for x in nvcc_flags(arch) if x != "-ptx"]
-    # Quoted includes of the .cu's own directory resolve as they would in place.
-    done = _run([nvcc, *flags, f"-I{os.path.join(REPO, os.path.dirname(rel))}", "-cubin", src, "-o", out])
+    done = _run([nvcc, *flags, "-cubin", src, "-o", out])
     if done.returncode != 0:
         raise RuntimeError(f"nvcc -cubin {rel} ({arch}) failed:\n{done.stderr[-4000:]}")
-    return out
+    with open(out, "rb") as f:
+        write_atomic(entry, f.read())
+    return entry
 
 
 def dynamic_smem(rel: str, tmp: str, rev: Optional[str] = None) -> dict[str, int]:

@@ -7,10 +7,11 @@ are counted by tools/ptxsim/census.py and checked against tools.ptxsim.isa.unsup
 nvcc, Triton or kernel edit that emits a form the interpreter does not model fails here, naming
 the form, the reason and the PTX module and line where it occurs.
 
-Compiles are cached in build/ptxsim-cache/ (keyed by sources, flags and compiler versions), so
+Compiles are cached in tools.ptxsim.build.cache_dir() (keyed by sources, flags and compiler versions), so
 only the first run after an edit pays for them.
 """
 import collections
+import json
 import os
 import re
 
@@ -181,3 +182,48 @@ def test_triton_ptx_forms_are_supported():
         assert res.num_warps in (1, 2, 4, 8, 16) and res.shared >= 0, job.describe()
     sources = [census.Source("triton sm_120", job.kernel, job.describe(), res.ptx) for job, res in results]
     _check(sources)
+
+
+def test_cache_dir_is_outside_the_checkout_and_overridable(tmp_path, monkeypatch):
+    for var in ("SPEC_KERNELS_CACHE_DIR", "PTXSIM_CACHE_DIR"):
+        monkeypatch.delenv(var, raising=False)
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
+    assert build.cache_dir() == str(tmp_path / "xdg" / "spec-kernels" / "ptxsim")
+    monkeypatch.setenv("PTXSIM_CACHE_DIR", str(tmp_path / "old"))
+    assert build.cache_dir() == str(tmp_path / "old")
+    monkeypatch.setenv("SPEC_KERNELS_CACHE_DIR", str(tmp_path / "sk"))
+    assert build.cache_dir() == str(tmp_path / "sk" / "ptxsim")
+
+
+@needs_nvcc
+def test_two_clones_share_one_cache_entry(tmp_path):
+    """A clone at another path reads the entry the first clone compiled, with its own paths in the
+    PTX's .file lines; an edit in one clone is a miss."""
+    import shutil
+    import subprocess
+    import sys
+
+    clones = [tmp_path / "a" / "spec-kernels", tmp_path / "b" / "elsewhere"]
+    for c in clones:
+        c.mkdir(parents=True)
+        shutil.copy(os.path.join(build.REPO, "setup.py"), c)
+        for d in ("csrc", "tools"):
+            shutil.copytree(os.path.join(build.REPO, d), c / d, ignore=shutil.ignore_patterns("__pycache__"))
+    env = {**os.environ, "SPEC_KERNELS_CACHE_DIR": str(tmp_path / "cache")}
+    probe = ("import json; from tools.ptxsim.build import cuda_ptx_info as f; r = f('csrc/tree_verify/tree_mask.cu'); "
+             "print(json.dumps([r.cached, r.key, [l for l in r.ptx.splitlines() if l.strip().startswith('.file')]]))")
+
+    def run(clone):
+        done = subprocess.run([sys.executable, "-c", probe], cwd=clone, env=env, capture_output=True, text=True)
+        assert done.returncode == 0, done.stderr[-3000:]
+        return json.loads(done.stdout.strip().splitlines()[-1])
+
+    first, second = run(clones[0]), run(clones[1])
+    assert (first[0], second[0]) == (False, True) and first[1] == second[1]
+    assert any(str(clones[0]) in line for line in first[2])
+    assert second[2] and all(str(clones[0]) not in line for line in second[2])
+    assert any(str(clones[1]) in line for line in second[2])
+    cu = clones[1] / "csrc" / "tree_verify" / "tree_mask.cu"
+    cu.write_text(cu.read_text() + "\n// edited\n")
+    edited = run(clones[1])
+    assert edited[0] is False and edited[1] != first[1]

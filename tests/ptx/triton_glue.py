@@ -17,7 +17,7 @@ How a launch gets here (`TritonPtxRunner.active()`, a context manager):
   (pointers: the simulated device addresses). The compile needs real JITFunctions, which a
   TRITON_INTERPRET=1 process does not have, so it runs in one helper process (started on the
   first compile, kept for the session) through tools/ptxsim/build.py, whose cache
-  (build/ptxsim-cache/triton) it fills. This process keeps an index (build/ptxsim-cache/
+  (tools.ptxsim.build.cache_dir()/triton) it fills. This process keeps an index (cache_dir()/
   triton-glue) from the specialisation class (per tensor: dtype and 16-byte alignment; per int:
   its Triton type and whether it is 1 / a multiple of 16; every constexpr and option; the kernel
   sources; the Triton version) to the PTX, so a warm run starts no compiler at all.
@@ -142,7 +142,7 @@ def _sources_digest() -> str:
     for p in sorted(glob.glob(os.path.join(REPO, "spec_kernels", "**", "*.py"), recursive=True)):
         if "triton" in os.path.basename(p):
             with open(p, "rb") as f:
-                h.update(p.encode() + b"\0" + f.read() + b"\0")
+                h.update(os.path.relpath(p, REPO).encode() + b"\0" + f.read() + b"\0")  # clones share entries
     return h.hexdigest()
 
 
@@ -241,9 +241,9 @@ class TritonPtxRunner:
         self.sync = _HostSync(self.machine)
         self.launches: list[PtxLaunch] = []
         self.compiles: list[tuple[str, dict]] = []  # (kernel, {"cached": bool, "seconds": ...})
-        self._index_dir = os.path.join(os.environ.get("PTXSIM_CACHE_DIR") or os.path.join(REPO, "build",
-                                                                                          "ptxsim-cache"),
-                                       "triton-glue")
+        from tools.ptxsim.build import cache_dir
+
+        self._index_dir = os.path.join(cache_dir(), "triton-glue")
 
     def register(self, *tensors):
         """Tensors a kernel reaches through addresses stored in another tensor (KV buffers)."""
@@ -285,9 +285,9 @@ class TritonPtxRunner:
             pass
         res = _Compiler.compile(req)
         self.compiles.append((req["kernel"], dict(cached=res["cached"], seconds=res["seconds"])))
-        from tools.ptxsim.build import _write_atomic
+        from tools.ptxsim.build import write_atomic
 
-        _write_atomic(path, json.dumps(res))
+        write_atomic(path, json.dumps(res))
         return res
 
     # ------------------------------------------------------------------ one launch

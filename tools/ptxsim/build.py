@@ -9,7 +9,8 @@ the autotune configs they can pick) is compiled with triton.compile for GPUTarge
 and its PTX kept, with the metadata a launch needs (num_warps, shared memory, the PTX parameter
 list including Triton's two trailing scratch pointers).
 
-Everything lands in build/ptxsim-cache/ (or $PTXSIM_CACHE_DIR), keyed by a sha256 over what
+Everything lands in cache_dir() (outside the checkout, so every clone on a machine shares it),
+keyed by a sha256 over what
 decides the output, so an edited .cu / header / kernel file is recompiled on the next call and an
 unchanged one is read back. Writes go to a temporary file first and are renamed into place, so
 concurrent processes never see a partial entry.
@@ -60,10 +61,19 @@ _PTXAS_ONLY = ("-Xptxas=-v", "-Xptxas", "--ptxas-options=-v")
 
 
 def cache_dir() -> str:
-    return os.environ.get("PTXSIM_CACHE_DIR") or os.path.join(REPO, "build", "ptxsim-cache")
+    """Where compiled PTX and cubins are kept: $SPEC_KERNELS_CACHE_DIR/ptxsim, else $PTXSIM_CACHE_DIR,
+    else $XDG_CACHE_HOME (default ~/.cache)/spec-kernels/ptxsim. It lies outside the checkout so that
+    every clone on one machine shares it; entries are keyed by content, so a shared entry is never
+    stale."""
+    if os.environ.get("SPEC_KERNELS_CACHE_DIR"):
+        return os.path.join(os.environ["SPEC_KERNELS_CACHE_DIR"], "ptxsim")
+    if os.environ.get("PTXSIM_CACHE_DIR"):
+        return os.environ["PTXSIM_CACHE_DIR"]
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return os.path.join(base, "spec-kernels", "ptxsim")
 
 
-def _write_atomic(path: str, data: str | bytes) -> None:
+def write_atomic(path: str, data: str | bytes) -> None:
     """Write to a temporary file in the same directory, then rename: readers see all or nothing."""
     os.makedirs(os.path.dirname(path), exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=os.path.dirname(path), prefix=".tmp-", suffix=os.path.basename(path))
@@ -163,7 +173,7 @@ def cu_sources() -> list[str]:
     return sorted(os.path.relpath(p, REPO) for p in glob.glob(os.path.join(CSRC, "**", "*.cu"), recursive=True))
 
 
-def _headers_digest() -> str:
+def headers_digest() -> str:
     """sha256 over every file under csrc/include and every csrc/**/*.cuh (names and contents)."""
     paths = set(glob.glob(os.path.join(INCLUDE, "**", "*"), recursive=True))
     paths |= set(glob.glob(os.path.join(CSRC, "**", "*.cuh"), recursive=True))
@@ -192,7 +202,10 @@ def _compile_cu(src_file: str, text: str, arch: str, extra_includes: list[str], 
     flags = nvcc_flags(arch)
     inc = [f"-I{d}" for d in extra_includes]
     h = hashlib.sha256()
-    for part in (_FORMAT, label, text, _headers_digest(), "\0".join(flags + inc), nvcc_version(nvcc)):
+    # The key names the checkout as <repo>, so clones at other paths share an entry; the paths the
+    # PTX's .file lines carry are moved to this checkout when an entry is read back.
+    for part in (_FORMAT, label, text, headers_digest(), "\0".join(flags + inc).replace(REPO, "<repo>"),
+                 nvcc_version(nvcc)):
         h.update(part.encode() + b"\0")
     key = h.hexdigest()
     base = os.path.splitext(os.path.basename(src_file))[0]
@@ -200,7 +213,8 @@ def _compile_cu(src_file: str, text: str, arch: str, extra_includes: list[str], 
     ptx, meta = _read(entry + ".ptx"), _read(entry + ".json")
     if ptx is not None and meta is not None:
         m = json.loads(meta)
-        return CudaPTX(ptx, m["source"], arch, key, m["seconds"], True, m["flags"])
+        here = (lambda t: t.replace(m["repo"], REPO)) if m.get("repo", REPO) != REPO else (lambda t: t)
+        return CudaPTX(here(ptx), here(m["source"]), arch, key, m["seconds"], True, [here(f) for f in m["flags"]])
     with tempfile.TemporaryDirectory(prefix="ptxsim-nvcc-") as tmp:
         out = os.path.join(tmp, base + ".ptx")
         cmd = [nvcc, *flags[:1], *inc, *flags[1:], src_file, "-o", out]
@@ -213,9 +227,9 @@ def _compile_cu(src_file: str, text: str, arch: str, extra_includes: list[str], 
         with open(out, encoding="utf-8") as f:
             ptx = f.read()
     flags_used = cmd[1:-3]  # without the nvcc path, the source and the output file
-    _write_atomic(entry + ".ptx", ptx)
-    _write_atomic(entry + ".json", json.dumps(dict(source=src_file, arch=arch, seconds=round(seconds, 3),
-                                                   flags=flags_used, nvcc=nvcc_version(nvcc)), indent=1))
+    write_atomic(entry + ".ptx", ptx)
+    write_atomic(entry + ".json", json.dumps(dict(source=src_file, arch=arch, seconds=round(seconds, 3),
+                                                   flags=flags_used, nvcc=nvcc_version(nvcc), repo=REPO), indent=1))
     return CudaPTX(ptx, src_file, arch, key, seconds, False, flags_used)
 
 
@@ -266,9 +280,9 @@ def cuda_ptx_from_source_info(text: str, arch: str = "sm_120a", name: str = "pat
                     headers = {**headers, rel: f.read()}
         for rel, body in headers.items():
             if _read(os.path.join(root, rel)) != body:
-                _write_atomic(os.path.join(root, rel), body)
+                write_atomic(os.path.join(root, rel), body)
     if _read(src_file) != text:
-        _write_atomic(src_file, text)
+        write_atomic(src_file, text)
     return _compile_cu(src_file, text + blob, arch, extra, "patched:" + label)
 
 
@@ -463,8 +477,8 @@ def triton_ptx_for_job(job: TritonJob) -> TritonPTX:
         return TritonPTX(ptx=ptx, key=key, cached=True, **m)
     res = _compile_triton(job)
     ptx = res.pop("ptx")
-    _write_atomic(entry + ".ptx", ptx)
-    _write_atomic(entry + ".json", json.dumps(dict(res, job=asdict(job)), indent=1, default=repr))
+    write_atomic(entry + ".ptx", ptx)
+    write_atomic(entry + ".json", json.dumps(dict(res, job=asdict(job)), indent=1, default=repr))
     return TritonPTX(ptx=ptx, key=key, cached=False, **res)
 
 
@@ -508,7 +522,7 @@ def _fill_triton_cache(level: str, arch: int, processes: int, manifest: Optional
     summary = dict(level=level, arch=arch, jobs=len(jobs), compiled=len(todo), errors=len(errors),
                    enumerate_s=round(t_enum, 2), total_s=round(time.perf_counter() - t0, 2), entries=entries)
     if manifest:
-        _write_atomic(manifest, json.dumps(summary, indent=1, default=repr))
+        write_atomic(manifest, json.dumps(summary, indent=1, default=repr))
     print(f"triton sm_{arch} level={level}: {len(jobs)} compiles, {len(todo)} compiled now, {len(errors)} errors, "
           f"{summary['total_s']} s (enumeration {summary['enumerate_s']} s)", file=sys.stderr)
     for key, err in errors.items():
