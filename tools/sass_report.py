@@ -47,7 +47,6 @@ after comparisons. One file and arch takes about 10-20 s on 2 CPU cores.
 from __future__ import annotations
 
 import argparse
-import hashlib
 import json
 import os
 import re
@@ -62,8 +61,8 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if REPO not in sys.path:
     sys.path.insert(0, REPO)
 
-from tools.ptxsim.build import (CUDA_ARCHS, cache_dir, find_nvcc, headers_digest, nvcc_flags,  # noqa: E402
-                                nvcc_version, write_atomic)
+from tools.ptxsim.build import (CUDA_ARCHS, cache_dir, compile_key, find_nvcc, headers_digest,  # noqa: E402
+                                nvcc_flags, nvcc_version, write_atomic)
 
 SOURCES = ("csrc/tree_verify/tree_verify_attention.cu", "csrc/mla/mla_tree_verify_attention.cu")
 # The compile-time constant each kernel launches with as dynamic shared memory, per instance.
@@ -119,11 +118,8 @@ def compile_cubin(rel: str, arch: str, tmp: str, rev: Optional[str] = None) -> s
     text = _source_text(rel, rev)
     # Quoted includes of the .cu's own directory resolve as they would in place.
     flags = [x for x in nvcc_flags(arch) if x != "-ptx"] + [f"-I{os.path.join(REPO, os.path.dirname(rel))}"]
-    h = hashlib.sha256()
-    for part in ("sass-report-cubin-1", rel, text, headers_digest(), "\0".join(flags).replace(REPO, "<repo>"),
-                 nvcc_version(nvcc)):
-        h.update(part.encode() + b"\0")
-    entry = os.path.join(cache_dir(), "cubin", f"{os.path.basename(rel)}.{arch}.{h.hexdigest()[:24]}.cubin")
+    key = compile_key("sass-report-cubin-1", rel, text, headers_digest(), "\0".join(flags), nvcc_version(nvcc))
+    entry = os.path.join(cache_dir(), "cubin", f"{os.path.basename(rel)}.{arch}.{key[:24]}.cubin")
     if os.path.isfile(entry):
         return entry
     src = os.path.join(tmp, os.path.basename(rel))

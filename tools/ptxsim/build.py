@@ -10,8 +10,7 @@ and its PTX kept, with the metadata a launch needs (num_warps, shared memory, th
 list including Triton's two trailing scratch pointers).
 
 Everything lands in cache_dir() (outside the checkout, so every clone on a machine shares it),
-keyed by a sha256 over what
-decides the output, so an edited .cu / header / kernel file is recompiled on the next call and an
+keyed by a sha256 over what decides the output, so an edited .cu / header / kernel file is recompiled on the next call and an
 unchanged one is read back. Writes go to a temporary file first and are renamed into place, so
 concurrent processes never see a partial entry.
 
@@ -173,6 +172,15 @@ def cu_sources() -> list[str]:
     return sorted(os.path.relpath(p, REPO) for p in glob.glob(os.path.join(CSRC, "**", "*.cu"), recursive=True))
 
 
+def compile_key(*parts: str) -> str:
+    """sha256 over the parts of a compile, with this checkout's path written as <repo>, so that
+    clones at other paths share an entry."""
+    h = hashlib.sha256()
+    for part in parts:
+        h.update(part.replace(REPO, "<repo>").encode() + b"\0")
+    return h.hexdigest()
+
+
 def headers_digest() -> str:
     """sha256 over every file under csrc/include and every csrc/**/*.cuh (names and contents)."""
     paths = set(glob.glob(os.path.join(INCLUDE, "**", "*"), recursive=True))
@@ -201,19 +209,16 @@ def _compile_cu(src_file: str, text: str, arch: str, extra_includes: list[str], 
     nvcc = _require_nvcc()
     flags = nvcc_flags(arch)
     inc = [f"-I{d}" for d in extra_includes]
-    h = hashlib.sha256()
-    # The key names the checkout as <repo>, so clones at other paths share an entry; the paths the
-    # PTX's .file lines carry are moved to this checkout when an entry is read back.
-    for part in (_FORMAT, label, text, headers_digest(), "\0".join(flags + inc).replace(REPO, "<repo>"),
-                 nvcc_version(nvcc)):
-        h.update(part.encode() + b"\0")
-    key = h.hexdigest()
+    # The paths the PTX's .file lines carry are moved to this checkout when an entry is read back.
+    key = compile_key(_FORMAT, label, text, headers_digest(), "\0".join(flags + inc), nvcc_version(nvcc))
     base = os.path.splitext(os.path.basename(src_file))[0]
     entry = os.path.join(cache_dir(), "cuda", f"{base}.{arch}.{key[:24]}")
     ptx, meta = _read(entry + ".ptx"), _read(entry + ".json")
     if ptx is not None and meta is not None:
         m = json.loads(meta)
-        here = (lambda t: t.replace(m["repo"], REPO)) if m.get("repo", REPO) != REPO else (lambda t: t)
+        def here(t, written_in=m.get("repo", REPO)):
+            return t.replace(written_in, REPO)
+
         return CudaPTX(here(ptx), here(m["source"]), arch, key, m["seconds"], True, [here(f) for f in m["flags"]])
     with tempfile.TemporaryDirectory(prefix="ptxsim-nvcc-") as tmp:
         out = os.path.join(tmp, base + ".ptx")
