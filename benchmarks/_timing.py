@@ -36,6 +36,8 @@ from typing import Callable, Optional, Sequence
 
 import torch
 
+from spec_kernels._extras import import_extra
+
 PRESET_ENV = "SPEC_KERNELS_BENCH_PRESET"
 MIN_GPU_CALLS_PER_ROUND = 4  # so a round of one large call is not dominated by the sync
 ROTATE_L2_MULTIPLE = 4  # a round streams at least this many times the L2 cache...
@@ -351,8 +353,7 @@ def _decode_anchors(steps: dict, parts: dict, Bs: list, ns: list) -> list[str]:
 def write_decode_step_plots(rows: list[dict], out_dir: str) -> list[str]:
     """One PNG per (model preset, L) in out_dir: decode_step-<preset>-L<L>.png with step time vs
     B (baseline and each n) and the EAGLE / baseline ratio vs B. Returns the paths written."""
-    import matplotlib
-
+    matplotlib = import_extra("matplotlib", "bench", "the decode-step plots")
     matplotlib.use("Agg")  # files only, no display
     import matplotlib.pyplot as plt
     import matplotlib.ticker  # noqa: F401  (matplotlib.ticker below)

@@ -20,6 +20,7 @@ if not HAS_GPU:
 import _timing  # noqa: E402
 import spec_kernels  # noqa: E402  (after TRITON_INTERPRET is set)
 from spec_kernels import _ops  # noqa: E402
+from spec_kernels._extras import MissingExtraError  # noqa: E402
 
 RESULTS = pytest.StashKey[list]()
 
@@ -116,5 +117,5 @@ def pytest_terminal_summary(terminalreporter, config):
         try:
             for path in _timing.write_decode_step_plots(rows, out_dir):
                 terminalreporter.write_line(f"plot -> {path}")
-        except ImportError:
-            terminalreporter.write_line("decode-step plots skipped: matplotlib is not installed")
+        except MissingExtraError as exc:
+            terminalreporter.write_line(f"decode-step plots skipped: {exc}")

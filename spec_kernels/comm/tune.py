@@ -25,9 +25,11 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
-from tqdm import tqdm
 
+from .._extras import MissingExtraError, import_extra
 from . import launch, selection
+
+PROGRESS_BAR = "python -m spec_kernels.comm.tune's progress bar"
 
 DEFAULT_TOKENS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048)
 # Measurements must not depend on an existing table: point the communicators at no file.
@@ -116,6 +118,7 @@ def _run_with_progress(world: int, backend: str, timeout: float, args: tuple) ->
 
     joiner = threading.Thread(target=join, daemon=True)
     joiner.start()
+    tqdm = import_extra("tqdm", "bench", PROGRESS_BAR).tqdm
     with tqdm(desc=f"world size {world}", unit="size", file=sys.stderr, dynamic_ncols=True) as bar:
         bar.set_postfix_str("starting the ranks")
         while joiner.is_alive() or not queue.empty():
@@ -196,6 +199,11 @@ def parser() -> argparse.ArgumentParser:
 
 def main(argv: Optional[list[str]] = None) -> int:
     args = parser().parse_args(argv)
+    try:  # before any rank starts
+        import_extra("tqdm", "bench", PROGRESS_BAR)
+    except MissingExtraError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
     if args.world_sizes is None:
         n = torch.cuda.device_count() if args.device == "cuda" else 0
         args.world_sizes = [w for w in (2, 4, 8) if w <= n] or [2]

@@ -11,6 +11,7 @@ import json
 import os
 import sys
 
+from .._extras import MissingExtraError, import_extra
 from ..bench.provenance import caveat_warning
 from .model import (
     AllReduceCost,
@@ -113,8 +114,7 @@ def format_break_even(costs: CostModel, configs: list[SpecConfig], concurrency: 
 
 
 def write_plot(path: str, costs: CostModel, configs: list[SpecConfig], max_B: int, title: str) -> None:
-    import matplotlib
-
+    matplotlib = import_extra("matplotlib", "bench", "the policy's plot")
     matplotlib.use("Agg")  # no display: files only
     import matplotlib.pyplot as plt
 
@@ -187,8 +187,8 @@ def main(argv=None) -> int:
     try:
         write_plot(plot_path, costs, configs, max_B, f"{costs.description}\n{acc_description}")
         print(f"plot -> {plot_path}")
-    except ImportError:
-        print("plot skipped: matplotlib is not installed (pip install matplotlib)")
+    except MissingExtraError as exc:
+        print(f"plot skipped: {exc}")
     return 0
 
 

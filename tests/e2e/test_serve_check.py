@@ -26,7 +26,7 @@ from e2e_support import STARTUP_TIMEOUT_S, TIMINGS, base_server_args, server_env
 
 import tiny_models
 
-pytestmark = pytest.mark.e2e
+pytestmark = [pytest.mark.e2e, pytest.mark.xdist_group("e2e-servers")]  # one server at a time
 
 CHECK_LEN = 32
 

@@ -37,7 +37,7 @@ from e2e_support import (
     write_sabotage_dist_info,
 )
 
-pytestmark = pytest.mark.e2e
+pytestmark = [pytest.mark.e2e, pytest.mark.xdist_group("e2e-servers")]  # one server at a time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 MIN_ACCEPT_LENGTH = 1.3

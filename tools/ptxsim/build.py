@@ -36,6 +36,8 @@ from dataclasses import asdict, dataclass, field
 from functools import lru_cache
 from typing import Optional
 
+from spec_kernels._build_cache import cache_root, write_atomic
+
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 CSRC = os.path.join(REPO, "csrc")
 INCLUDE = os.path.join(CSRC, "include")
@@ -60,30 +62,13 @@ _PTXAS_ONLY = ("-Xptxas=-v", "-Xptxas", "--ptxas-options=-v")
 
 
 def cache_dir() -> str:
-    """Where compiled PTX and cubins are kept: $SPEC_KERNELS_CACHE_DIR/ptxsim, else $PTXSIM_CACHE_DIR,
-    else $XDG_CACHE_HOME (default ~/.cache)/spec-kernels/ptxsim. It lies outside the checkout so that
-    every clone on one machine shares it; entries are keyed by content, so a shared entry is never
-    stale."""
-    if os.environ.get("SPEC_KERNELS_CACHE_DIR"):
-        return os.path.join(os.environ["SPEC_KERNELS_CACHE_DIR"], "ptxsim")
-    if os.environ.get("PTXSIM_CACHE_DIR"):
+    """Where compiled PTX and cubins are kept: $PTXSIM_CACHE_DIR if set, else `ptxsim/` under the
+    project's cache root (spec_kernels/_build_cache.py: $SPEC_KERNELS_CACHE_DIR, else
+    ~/.cache/spec-kernels). It lies outside the checkout so that every clone on one machine shares
+    it; entries are keyed by content, so a shared entry is never stale."""
+    if os.environ.get("PTXSIM_CACHE_DIR") and not os.environ.get("SPEC_KERNELS_CACHE_DIR"):
         return os.environ["PTXSIM_CACHE_DIR"]
-    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return os.path.join(base, "spec-kernels", "ptxsim")
-
-
-def write_atomic(path: str, data: str | bytes) -> None:
-    """Write to a temporary file in the same directory, then rename: readers see all or nothing."""
-    os.makedirs(os.path.dirname(path), exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=os.path.dirname(path), prefix=".tmp-", suffix=os.path.basename(path))
-    try:
-        with os.fdopen(fd, "wb") as f:
-            f.write(data.encode() if isinstance(data, str) else data)
-        os.replace(tmp, path)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-        raise
+    return os.path.join(cache_root(), "ptxsim")
 
 
 def _read(path: str) -> Optional[str]:

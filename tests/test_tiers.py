@@ -1,0 +1,80 @@
+"""The test tiers stay what the README promises: `pytest -m quick` (tests/quick_tier.py) names only
+collected tests and covers every op family and every CUDA kernel, plain `pytest` still selects
+everything (quick is a marker), and the README's "Tiers and durations" table gives the counts the
+suite has now: tests per tier, GPU-only tests, mutants."""
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+import quick_tier
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _collect(*args) -> list[str]:
+    env = {**os.environ, "SPEC_KERNELS_TEST_WORKERS": "0"}
+    out = subprocess.run([sys.executable, "-m", "pytest", "--collect-only", "-q", "-p", "no:cacheprovider", *args],
+                         cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    return [line for line in out.stdout.splitlines() if line.startswith("tests/")]
+
+
+@pytest.fixture(scope="module")
+def collected():
+    return _collect(), _collect("-m", "quick")
+
+
+def _readme_row(command: str) -> list[str]:
+    for line in (ROOT / "README.md").read_text().splitlines():
+        if line.startswith(f"| `{command}` |"):
+            return [c.strip() for c in line.strip("|").split("|")]
+    raise AssertionError(f"README.md: no row for `{command}` in the tiers table")
+
+
+def mutant_count(nodeids) -> int:
+    """Mutants that the PTX tests must catch: one test case each."""
+    return sum(bool(re.match(r"tests/ptx/test_mutants_\w+\.py::test_(host_)?mutant_is_caught\[", n)) for n in nodeids)
+
+
+def test_readme_counts_are_the_suites(collected):
+    everything, quick = collected
+    gpu = _collect("-m", "gpu")
+    assert _readme_row("pytest -m quick")[2] == str(len(quick))
+    runs, tests = _readme_row("pytest")[1:3]
+    assert tests == f"{len(everything)}, {len(gpu)} of them GPU-only (skipped here)"
+    assert f"the PTX mutants ({mutant_count(everything)} deliberate bugs" in runs
+
+
+def test_every_entry_names_a_collected_test(collected):
+    everything, _ = collected
+    for entry in quick_tier.NOT_QUICK + quick_tier.PTX_QUICK:
+        assert any(quick_tier.matches(entry, n) for n in everything), f"tests/quick_tier.py: {entry} matches no test"
+
+
+def test_every_family_and_every_cuda_kernel_has_quick_tests(collected):
+    everything, quick = collected
+    assert 0 < len(quick) < len(everything)
+    families = ["test_tree_verify.py", "test_tree_mask.py", "test_mla.py", "test_kv_slots.py",
+                "test_fused_add_rmsnorm.py", "test_comm.py", "test_op_layer.py", "test_bad_input.py",
+                "test_bad_input_fuzz.py", "test_sglang_backend.py", "test_sglang_mla.py", "test_policy.py"]
+    for f in families:
+        assert any(n.startswith(f"tests/{f}::") for n in quick), f"no quick test in tests/{f}"
+    sources = sorted(str(p.relative_to(ROOT)) for p in (ROOT / "csrc").rglob("*.cu") if p.name != "build_info.cu")
+    assert sorted(quick_tier.CUDA_KERNEL_TESTS) == sources, "a CUDA kernel source without its PTX test file"
+    for source, test_file in quick_tier.CUDA_KERNEL_TESTS.items():
+        assert any(n.startswith(test_file + "::") for n in quick), f"{source}: no quick case in {test_file}"
+    assert not any("mutants" in n for n in quick)  # the mutants run in the full suite
+
+
+def test_matching_rules():
+    assert quick_tier.matches("tests/a.py", "tests/a.py::t[1]")
+    assert quick_tier.matches("tests/a.py::t", "tests/a.py::t[1]")
+    assert not quick_tier.matches("tests/a.py::t", "tests/a.py::tt")
+    assert not quick_tier.matches("tests/a.py::t[1]", "tests/a.py::t[10]")
+    assert not quick_tier.is_quick("tests/ptx/test_x.py::t", ())
+    assert not quick_tier.is_quick("tests/test_x.py::t", ("e2e",))
+    assert quick_tier.is_quick("tests/test_x.py::t", ())
