@@ -105,8 +105,9 @@ def _extension_or_reason():
     os.environ.setdefault("MAX_JOBS", "2")
     from torch.utils.cpp_extension import BuildExtension, CUDAExtension
 
-    # Kernels (.cu) see CUDA headers only; the one torch-facing file is csrc/ops.cpp.
-    sources = ["csrc/ops.cpp"] + sorted(glob.glob("csrc/**/*.cu", recursive=True))
+    # Kernels (.cu) see CUDA headers only; the torch-facing files are the .cpp bindings (one per
+    # family) and csrc/registration.cpp.
+    sources = sorted(glob.glob("csrc/**/*.cpp", recursive=True)) + sorted(glob.glob("csrc/**/*.cu", recursive=True))
     ext = CUDAExtension(
         name="spec_kernels._C",
         sources=sources,

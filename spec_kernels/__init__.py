@@ -5,7 +5,7 @@ reference implementations picked by device (see spec_kernels._ops); `python -m s
 shows what this machine will run.
 """
 from ._checks import set_debug_checks
-from .tree_verify import decode_attention, tree_mask_from_parents, tree_verify_attention
+from .tree_verify import TreeVerifyPlan, decode_attention, tree_mask_from_parents, tree_verify_attention
 from .kv_slots import alloc_draft_slots, commit_draft_slots
 from .mla import mla_decode_attention, mla_tree_verify_attention
 from .norm import fused_add_rmsnorm
@@ -20,6 +20,7 @@ __version__ = "0.1.0"
 __all__ = [
     "tree_verify_attention",
     "decode_attention",
+    "TreeVerifyPlan",
     "tree_mask_from_parents",
     "set_debug_checks",
     "alloc_draft_slots",

@@ -50,6 +50,81 @@ def compiled_archs() -> tuple[int, ...]:
     return tuple(torch.ops.spec_kernels_cuda.compiled_archs())
 
 
+@functools.lru_cache(maxsize=None)
+def compiled_constants() -> Optional[dict[str, int]]:
+    """The extension's constants (csrc/registration.cpp compiled_constants: the C++ names, e.g.
+    kMaxDraftTokens), or None without the extension."""
+    if _load_extension() is not None:
+        return None
+    lines = torch.ops.spec_kernels_cuda.compiled_constants().splitlines()
+    return {name: int(value) for name, value in (line.split("=") for line in lines)}
+
+
+@dataclass(frozen=True)
+class LaunchShape:
+    """The host half of a CUDA attention launch (csrc/include/spec_kernels/launch_shape.h): the
+    configuration compiled for `head_dim` with `block_m` query rows per CTA (0: none), its threads,
+    dynamic shared memory, registers per thread (ptxas) and __launch_bounds__ CTAs per SM.
+    `kernel` / `template_args` name the instance (e.g. tree_verify_kernel, "128,32")."""
+
+    head_dim: int
+    block_m: int
+    threads: int
+    smem_bytes: int
+    regs: int
+    min_ctas_per_sm: int
+    kernel: str = ""
+    template_args: str = ""
+
+
+def _shape(values) -> LaunchShape:
+    return LaunchShape(*(int(v) for v in values))
+
+
+@functools.lru_cache(maxsize=None)
+def kernel_configs() -> tuple[LaunchShape, ...]:
+    """Every compiled configuration of the CUDA attention kernels, from the extension (the lists in
+    csrc/include/spec_kernels/tree_verify_config.h and mla_config.h). Raises RuntimeError
+    without the extension."""
+    out = []
+    for line in cuda_ops().kernel_configs().splitlines():
+        kernel, template_args, *fields = line.split()
+        values = dict(f.split("=") for f in fields)
+        out.append(LaunchShape(**{k: int(v) for k, v in values.items()}, kernel=kernel, template_args=template_args))
+    return tuple(out)
+
+
+def kernel_config(kernel: str, head_dim: int, block_m: int) -> LaunchShape:
+    """The compiled configuration of `kernel` for (head_dim, block_m); ValueError naming the
+    compiled ones when there is none."""
+    for c in kernel_configs():
+        if (c.kernel, c.head_dim, c.block_m) == (kernel, head_dim, block_m):
+            return c
+    have = ", ".join(f"({c.head_dim}, {c.block_m})" for c in kernel_configs() if c.kernel == kernel)
+    raise ValueError(f"{kernel} has no configuration for head_dim={head_dim}, block_m={block_m}; compiled: {have}")
+
+
+@functools.lru_cache(maxsize=4096)
+def tree_verify_launch_config(head_dim: int, max_rows: int, smem_per_sm: int, smem_reserved_per_cta: int) -> LaunchShape:
+    """The configuration a CUDA tree-verify launch of `max_rows` takes on a device with that shared
+    memory (the launch's own choice, tree_verify_launch_shape in the C++); block_m 0: none."""
+    shape = _shape(cuda_ops().tree_verify_launch_config(head_dim, max_rows, smem_per_sm, smem_reserved_per_cta))
+    return _named(shape, "tree_verify_kernel")
+
+
+@functools.lru_cache(maxsize=4096)
+def mla_launch_config(max_rows: int) -> LaunchShape:
+    """The configuration a CUDA MLA launch of `max_rows` takes (the same on every device)."""
+    return _named(_shape(cuda_ops().mla_launch_config(max_rows)), "mla_tree_verify_kernel")
+
+
+def _named(shape: LaunchShape, kernel: str) -> LaunchShape:
+    for c in kernel_configs():
+        if (c.kernel, c.head_dim, c.block_m) == (kernel, shape.head_dim, shape.block_m):
+            return c
+    return shape  # block_m 0: no configuration
+
+
 def cuda_ops():
     """torch.ops.spec_kernels_cuda (raises if the extension is not loaded)."""
     err = _load_extension()

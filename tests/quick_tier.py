@@ -14,6 +14,7 @@ NOT_QUICK = (
     "tests/test_kv_slots.py::test_triton_kernels_compile_for_sm90",
     "tests/test_sass_report.py::test_report_on_the_tree_verify_kernel",  # nvcc to cubins
     "tests/test_sass_report.py::test_report_on_the_mla_kernel_meets_its_targets",
+    "tests/test_sass_report.py::test_configuration_lists_state_the_compiled_resources",  # two archs
     "tests/test_sglang_hooks.py::test_fused_allreduce_hook_on_two_tp_ranks",
     "tests/test_sglang_backend.py::test_server_arg_resolution_with_eagle3",
     "tests/test_sglang_backend.py::test_launch_server_help_lists_specfused",

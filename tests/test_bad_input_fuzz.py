@@ -24,7 +24,7 @@ from spec_kernels.kv_slots import reference as kv_ref
 from spec_kernels.mla import reference as mla_ref
 from spec_kernels.norm import reference as norm_ref
 from spec_kernels.tree_verify import reference as tv_ref
-from spec_kernels.tree_verify.launch_plan import MAX_KV_SPLITS
+from spec_kernels.attention.plan import MAX_KV_SPLITS
 from fuzz_common import (Bad, assert_same_results, check_outcome, clone_value, fuzz_by_kind, new_size, other_rank,
                          poison, resized, strided_copy, wrong_dtype)
 from tree_cases import TREE_KINDS, make_case

@@ -12,6 +12,7 @@ sys.path.insert(0, REPO)
 
 from tools import sass_report  # noqa: E402
 from tools.sass_report import Ins, chain_depth, kv_loop  # noqa: E402
+from spec_kernels import _ops  # noqa: E402
 
 KERNEL = "tree_verify_kernel<__half, 64, 64>"
 
@@ -66,14 +67,20 @@ def test_kv_loop_is_the_innermost_backward_branch_with_hmma_and_ldgsts():
     assert lp.per_hmma == 3.0
 
 
-def _run_report(tmp_path, source, kernel_filter):
-    """tools/sass_report.py on one .cu for sm_120a: (its rows from --json, its stdout)."""
+def _compiled(kernel):
+    if _ops.extension_error() is not None:
+        pytest.skip(f"the CUDA extension is not built: {_ops.extension_error()}")
+    return [c for c in _ops.kernel_configs() if c.kernel == kernel]
+
+
+def _run_report(tmp_path, source, kernel_filter, arch="sm_120a"):
+    """tools/sass_report.py on one .cu for `arch` (comma-separated): (its rows from --json, its stdout)."""
     if sass_report.find_nvcc() is None:
         pytest.skip("nvcc not found (set CUDA_HOME): the report compiles csrc/ to cubins")
     if sass_report.find_cuobjdump() is None:
         pytest.skip("cuobjdump not found (shipped in the Triton wheel's backends/nvidia/bin, or a CUDA toolkit)")
     out = tmp_path / "sass.json"
-    done = subprocess.run([sys.executable, os.path.join(REPO, "tools", "sass_report.py"), "--arch", "sm_120a",
+    done = subprocess.run([sys.executable, os.path.join(REPO, "tools", "sass_report.py"), "--arch", arch,
                            "--source", source, "--filter", kernel_filter, "--json", str(out)],
                           capture_output=True, text=True, timeout=300, cwd=REPO)
     assert done.returncode == 0, done.stderr[-3000:]
@@ -83,9 +90,11 @@ def _run_report(tmp_path, source, kernel_filter):
 def test_report_on_the_tree_verify_kernel(tmp_path):
     rows, stdout = _run_report(tmp_path, "csrc/tree_verify/tree_verify_attention.cu", "tree_verify_kernel<__half,")
     by_name = {r["kernel"]: r for r in rows}
-    # the instances: D = 64 / 256 with 64 rows per CTA, D = 128 with 32, 64 and 128
-    assert set(by_name) == {f"tree_verify_kernel<__half, {d}, {m}>" for d, m in
-                            ((64, 64), (128, 32), (128, 64), (128, 128), (256, 64))}
+    # the instances: those of the configuration list (D = 64 / 256 with 64 rows per CTA, D = 128
+    # with 32, 64 and 128)
+    assert set(by_name) == {f"tree_verify_kernel<__half, {c.template_args.replace(',', ', ')}>"
+                            for c in _compiled("tree_verify_kernel")}
+    assert len(by_name) >= 5
     assert KERNEL in stdout
     row = by_name[KERNEL]
     # TileConfig<64>: two K / V stages of 64 keys (Q staged in one) + the slot-id ring, under 99 KB.
@@ -120,3 +129,22 @@ def test_report_on_the_mla_kernel_meets_its_targets(tmp_path):
         lp = row["loop"]
         assert lp is not None and lp["hmma"] > 0 and lp["round_trips"] <= 1, row
         assert lp["per_hmma"] <= 8.0, f"{row['kernel']}: {lp['per_hmma']} SASS instructions per HMMA in the KV loop"
+
+
+@pytest.mark.parametrize("source,kernel", [("csrc/tree_verify/tree_verify_attention.cu", "tree_verify_kernel"),
+                                           ("csrc/mla/mla_tree_verify_attention.cu", "mla_tree_verify_kernel")])
+def test_configuration_lists_state_the_compiled_resources(tmp_path, source, kernel):
+    """Each configuration's registers (the list in csrc/include/spec_kernels/*_config.h, read by
+    the planner) are the most ptxas gives the instance on sm_90a and sm_120a; its threads and
+    shared memory are the launch's (the compiler-evaluated TileConfig / MlaTile constants)."""
+    configs = _compiled(kernel)
+    rows, _ = _run_report(tmp_path, source, kernel + "<", "sm_90a,sm_120a")
+    by_instance = {}
+    for r in rows:
+        args = r["kernel"][r["kernel"].index(",") + 1:-1].replace(" ", "")  # after the element type
+        by_instance.setdefault(args, []).append(r)
+    assert set(by_instance) == {c.template_args for c in configs}
+    for c in configs:
+        got = by_instance[c.template_args]
+        assert max(r["registers"] for r in got) == c.regs, (c, [(r["kernel"], r["arch"], r["registers"]) for r in got])
+        assert {(r["threads"], r["dynamic_smem"]) for r in got} == {(c.threads, c.smem_bytes)}, c

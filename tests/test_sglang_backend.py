@@ -199,32 +199,63 @@ def _tree(n, kind, gen):
 # --------------------------------------------------------------------------- modes
 @pytest.fixture
 def op_calls(monkeypatch):
-    """Counts calls of the spec-kernels ops the backend uses (proof that they ran)."""
-    from spec_kernels.sglang import backend
-
-    calls = {"decode_attention": 0, "tree_verify_attention": 0}
-    for name in calls:
-        op = getattr(backend, name)
-
-        def counted(*args, _op=op, _name=name, **kwargs):
-            calls[_name] += 1
-            return _op(*args, **kwargs)
-
-        monkeypatch.setattr(backend, name, counted)
+    """Counts the attention the backend runs, by kind: its plans' runs (one per layer call) and the
+    plans it makes (once per batch and layer geometry)."""
+    calls = {"decode_attention": 0, "tree_verify_attention": 0, "plans": 0}
+    count_plan_runs(monkeypatch, calls)
     return calls
+
+
+def count_plan_runs(monkeypatch, calls):
+    """Wraps TreeVerifyPlan / MlaPlan: calls[<one-call op name>] += 1 per run() of that kind,
+    calls["plans"] += 1 per plan made."""
+    from spec_kernels.mla import MlaPlan
+    from spec_kernels.tree_verify import TreeVerifyPlan
+
+    for cls, prefix in ((TreeVerifyPlan, ""), (MlaPlan, "mla_")):
+        run, init = cls.run, cls.__init__
+
+        def counted_run(self, *args, _run=run, _prefix=prefix, **kwargs):
+            kind = "decode_attention" if self.layout.decode else "tree_verify_attention"
+            calls[_prefix + kind] = calls.get(_prefix + kind, 0) + 1
+            return _run(self, *args, **kwargs)
+
+        def counted_init(self, *args, _init=init, **kwargs):
+            calls["plans"] = calls.get("plans", 0) + 1
+            _init(self, *args, **kwargs)
+
+        monkeypatch.setattr(cls, "run", counted_run)
+        monkeypatch.setattr(cls, "__init__", counted_init)
 
 
 def test_decode(bench, op_calls):
     seq_lens = [1, 17, 33, 5]  # crosses page boundaries at page 16
     bench.compare(bench.decode_batch(seq_lens), bench.qkv(len(seq_lens)))
-    assert op_calls == {"decode_attention": 1, "tree_verify_attention": 0}
+    assert op_calls == {"decode_attention": 1, "tree_verify_attention": 0, "plans": 1}
+
+
+def test_plans_once_per_batch_then_in_init_forward_metadata(bench, op_calls):
+    """The batch is planned once for all layers: the first step at its first layer (the head
+    geometry is not known before), every later step in init_forward_metadata; layers only run."""
+    fb, qkv = bench.decode_batch([4, 9, 30]), bench.qkv(3)
+    be = bench.specfused
+    first = bench.run(be, fb, qkv)
+    assert op_calls == {"decode_attention": 1, "tree_verify_attention": 0, "plans": 1}
+    again = bench.run(be, fb, qkv, init=False)  # a second layer over the same batch
+    assert op_calls == {"decode_attention": 2, "tree_verify_attention": 0, "plans": 1}
+    be.init_forward_metadata(fb)  # the next step: planned before any layer runs
+    assert op_calls["plans"] == 2 and len(be.forward_metadata.plans) == 1
+    third = bench.run(be, fb, qkv, init=False)
+    assert op_calls == {"decode_attention": 3, "tree_verify_attention": 0, "plans": 2}
+    torch.testing.assert_close(first, again, atol=0, rtol=0)
+    torch.testing.assert_close(first, third, atol=0, rtol=0)
 
 
 def test_extend_is_delegated(bench, op_calls):
     assert type(bench.specfused.prefill_backend).__name__ == "TritonAttnBackend"
     prefix, extend = [0, 15, 3], [5, 2, 13]
     bench.compare(bench.extend_batch(prefix, extend), bench.qkv(sum(extend)))
-    assert op_calls == {"decode_attention": 0, "tree_verify_attention": 0}
+    assert op_calls == {"decode_attention": 0, "tree_verify_attention": 0, "plans": 0}
 
 
 @pytest.mark.parametrize("kind", ["chain", "random"])
@@ -233,7 +264,7 @@ def test_target_verify(bench, kind, op_calls):
     blocks = [_tree(4, kind, bench.gen) for _ in prefix]
     qkv = bench.qkv(4 * len(prefix))
     ours = bench.compare(bench.verify_batch(prefix, blocks), qkv)
-    assert op_calls == {"decode_attention": 0, "tree_verify_attention": 1}
+    assert op_calls == {"decode_attention": 0, "tree_verify_attention": 1, "plans": 1}
     # The compact layout specfused asks the draft stage for gives the same result.
     out_qlen = bench.run(bench.specfused, bench.verify_batch(prefix, blocks, custom_mask="qlen"), qkv)
     torch.testing.assert_close(out_qlen, ours, atol=0, rtol=0)

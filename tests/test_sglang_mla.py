@@ -88,18 +88,13 @@ def bench(request):
 
 @pytest.fixture
 def mla_calls(monkeypatch):
-    """Counts calls of the MLA ops the backend uses (proof that they, not the MHA ones, ran)."""
-    from spec_kernels.sglang import backend
+    """Counts the attention the backend runs by kind (proof that the MLA plans, not the MHA ones,
+    ran) and the plans it makes."""
+    from test_sglang_backend import count_plan_runs
 
-    calls = {}
-    for name in ("mla_decode_attention", "mla_tree_verify_attention", "decode_attention", "tree_verify_attention"):
-        calls[name] = 0
-
-        def counted(*args, _op=getattr(backend, name), _name=name, **kwargs):
-            calls[_name] += 1
-            return _op(*args, **kwargs)
-
-        monkeypatch.setattr(backend, name, counted)
+    calls = {"mla_decode_attention": 0, "mla_tree_verify_attention": 0, "decode_attention": 0,
+             "tree_verify_attention": 0}
+    count_plan_runs(monkeypatch, calls)
     return calls
 
 
@@ -107,7 +102,7 @@ def test_mla_decode(bench, mla_calls):
     seq_lens = [1, 17, 33, 5]  # crosses page boundaries at page 16
     bench.compare(bench.decode_batch(seq_lens), bench.qkv(len(seq_lens)))
     assert mla_calls == {"mla_decode_attention": 1, "mla_tree_verify_attention": 0, "decode_attention": 0,
-                         "tree_verify_attention": 0}
+                         "tree_verify_attention": 0, "plans": 1}
 
 
 @pytest.mark.parametrize("kind", ["chain", "random"])

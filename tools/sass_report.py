@@ -13,14 +13,15 @@ the Triton wheel, triton/backends/nvidia/bin, or the toolkit's). Reported per ke
   frame, so -res-usage LOCAL reads 0 while it spills; STACK is kept as `stack_bytes`) plus LOCAL
   (local arrays). The kernels declare only dynamic shared memory; on sm_90 and later SHARED still
   reads 1024: the 1 KB the runtime reserves per CTA, which the occupancy below counts once;
-* dynamic shared memory: the launch's third <<<>>> argument, TileConfig<D>::kSmemBytes (tree
-  verify) and MlaTile<kMTiles>::kSmemBytes (MLA). Those constants are evaluated by the compiler
+* dynamic shared memory: the launch's third <<<>>> argument, TileConfig<D, rows>::kSmemBytes (tree
+  verify) and MlaTile<kMTiles>::kSmemBytes (MLA), for every instance the cubin holds. Those constants are evaluated by the compiler
   itself: a probe translation unit includes the .cu and names `_SassReportShow<kSmemBytes>`, an
   incomplete type, so the compiler's error message prints the value. So the figure is the
   source's formula at that revision, never a copy of it;
 * resident CTAs per SM on the arch's GPU (sm_90a: H200, sm_120a: RTX PRO 6000 Blackwell), from
-  spec_kernels/tree_verify/launch_plan.py (resident_ctas_per_sm over DEVICES), with the CTA's
-  threads from the launch (128 for the attention kernels, 64 / 128 for the split merges);
+  spec_kernels/attention/plan.py (resident_ctas_per_sm over DEVICES), with the CTA's
+  threads from the launch (kThreads of the configuration, the merges' kTreeVerifyMergeThreads /
+  kMlaMergeThreads), evaluated by the same probe;
 * the inner KV loop. Heuristic: every backward branch (a BRA whose target address is <= its own)
   spans a loop body [target, branch]. Candidates are the bodies holding at least one HMMA and one
   LDGSTS (cp.async); a candidate that contains another candidate is an outer loop and dropped; of
@@ -41,8 +42,9 @@ the Triton wheel, triton/backends/nvidia/bin, or the toolkit's). Reported per ke
 
     python tools/sass_report.py [--arch sm_120a,sm_90a] [--json OUT] [--rev GIT_REV] [--filter SUBSTR]
 
---rev compiles the two .cu files as of a git revision (headers from the checkout), for before /
-after comparisons. One file and arch takes about 10-20 s on 2 CPU cores.
+--rev compiles the two .cu files as of a git revision (headers from the checkout, so revisions
+with the configuration headers of csrc/include/spec_kernels/*_config.h), for before / after
+comparisons. One file and arch takes about 10-20 s on 2 CPU cores.
 """
 from __future__ import annotations
 
@@ -65,16 +67,16 @@ from tools.ptxsim.build import (CUDA_ARCHS, cache_dir, compile_key, find_nvcc, h
                                 nvcc_flags, nvcc_version, write_atomic)
 
 SOURCES = ("csrc/tree_verify/tree_verify_attention.cu", "csrc/mla/mla_tree_verify_attention.cu")
-# The compile-time constant each kernel launches with as dynamic shared memory, per instance.
-SMEM_EXPRS = {
-    "tree_verify_kernel": ("TileConfig<{D}>::kSmemBytes", ("64, 64", "128, 64", "256, 64", "128, 32", "128, 128")),
-    "mla_tree_verify_kernel": ("MlaTile<{D}>::kSmemBytes", ("1", "2", "4")),
+# The compile-time constants each kernel launches with, (dynamic shared memory, threads per CTA),
+# per template instance ({P}: its template arguments after the element type), evaluated by the
+# compiler. The instances are the cubin's own entries, so a configuration added to the list in
+# csrc/include/spec_kernels/*_config.h is reported without an edit here.
+LAUNCH_EXPRS = {
+    "tree_verify_kernel": ("TileConfig<{P}>::kSmemBytes", "TileConfig<{P}>::kThreads"),
+    "mla_tree_verify_kernel": ("MlaTile<{P}>::kSmemBytes", "MlaTile<{P}>::kThreads"),
+    "merge_splits_kernel": ("0", "kTreeVerifyMergeThreads"),
+    "mla_merge_splits_kernel": ("0", "kMlaMergeThreads"),
 }
-# Threads per CTA of each kernel's launch (kThreads = kWarps * 32 = 128; merges: the literal), and
-# of the instances that differ (8 warps: tree verify's 128-row and MLA's 64-row configurations).
-THREADS = {"tree_verify_kernel": 128, "mla_tree_verify_kernel": 128, "merge_splits_kernel": 64,
-           "mla_merge_splits_kernel": 128}
-INSTANCE_THREADS = {"tree_verify_kernel/128, 128": 256, "mla_tree_verify_kernel/4": 256}
 ARCH_DEVICE = {"sm_90a": "h200", "sm_120a": "rtx-pro-6000"}
 
 
@@ -134,22 +136,31 @@ def compile_cubin(rel: str, arch: str, tmp: str, rev: Optional[str] = None) -> s
     return entry
 
 
-def dynamic_smem(rel: str, tmp: str, rev: Optional[str] = None) -> dict[str, int]:
-    """{kernel base name + instance parameter: kSmemBytes}, evaluated by the compiler (see the
-    module docstring)."""
+def instance_key(name: str) -> tuple[str, str]:
+    """(kernel base name, template arguments after the element type) of a demangled instance."""
+    base = re.match(r"\w+", name).group(0)
+    params = re.search(r"<[^,<>]+,\s*([^<>]+)>$", name)
+    return base, params.group(1) if params else ""
+
+
+def launch_constants(rel: str, tmp: str, instances: list[str], rev: Optional[str] = None
+                     ) -> dict[str, tuple[int, int]]:
+    """{"base/params": (dynamic shared memory, threads)} of the demangled `instances` that
+    LAUNCH_EXPRS knows, evaluated by the compiler (see the module docstring)."""
     nvcc = find_nvcc()
     text = _source_text(rel, rev)
     probes = []
-    for kernel, (expr, params) in SMEM_EXPRS.items():
-        if re.search(rf"\b{kernel}\b", text) and expr.split("<")[0] in text:
-            probes += [(kernel, p, expr.format(D=p)) for p in params]
+    for name in sorted(set(instances)):
+        base, params = instance_key(name)
+        if base in LAUNCH_EXPRS:
+            probes += [(f"{base}/{params}", expr.format(P=params)) for expr in LAUNCH_EXPRS[base]]
     if not probes:
         return {}
-    src = os.path.join(tmp, "smem_probe_" + os.path.basename(rel))
+    src = os.path.join(tmp, "launch_probe_" + os.path.basename(rel))
     with open(src, "w", encoding="utf-8") as f:
         f.write(text)
         f.write("\ntemplate <int N> struct _SassReportShow;\nnamespace spec_kernels {\nnamespace {\n")
-        for i, (_, _, expr) in enumerate(probes):
+        for i, (_, expr) in enumerate(probes):
             f.write(f"_SassReportShow<{expr}> _sass_report_probe_{i};\n")
         f.write("}\n}\n")
     flags = [x for x in nvcc_flags("sm_120a") if x != "-ptx"]
@@ -158,10 +169,9 @@ def dynamic_smem(rel: str, tmp: str, rev: Optional[str] = None) -> dict[str, int
     # One "incomplete type" error per probe, in the order of the probes.
     vals = [int(v) for v in re.findall(r'incomplete type "?_SassReportShow<(\d+)>', done.stderr)]
     if len(vals) != len(probes):
-        raise RuntimeError(f"shared memory probe of {rel}: expected {len(probes)} values, compiler said:\n"
+        raise RuntimeError(f"launch-constant probe of {rel}: expected {len(probes)} values, compiler said:\n"
                            f"{done.stderr[-3000:]}")
-    found = {f"{kernel}/{p}": v for (kernel, p, _), v in zip(probes, vals)}
-    return found
+    return {key: (vals[i], vals[i + 1]) for i, (key, _) in enumerate(probes) if i % 2 == 0}
 
 
 # --------------------------------------------------------------------------- reading the cubin
@@ -352,7 +362,7 @@ class KernelRow:
 
 
 def report(archs: list[str], rev: Optional[str] = None, sources=SOURCES, name_filter: str = "") -> list[KernelRow]:
-    from spec_kernels.tree_verify.launch_plan import DEVICES, KernelResources, resident_ctas_per_sm
+    from spec_kernels.attention.plan import DEVICES, KernelResources, resident_ctas_per_sm
 
     cuobjdump = find_cuobjdump()
     if cuobjdump is None:
@@ -360,22 +370,21 @@ def report(archs: list[str], rev: Optional[str] = None, sources=SOURCES, name_fi
     rows = []
     with tempfile.TemporaryDirectory(prefix="sass-report-") as tmp:
         for rel in sources:
-            smem = dynamic_smem(rel, tmp, rev)
+            compiled = {}
             for arch in archs:
                 cubin = compile_cubin(rel, arch, tmp, rev)
-                usage = res_usage(cuobjdump, cubin)
-                funcs = sass_functions(cuobjdump, cubin)
+                compiled[arch] = (res_usage(cuobjdump, cubin), sass_functions(cuobjdump, cubin))
+            names = {m: demangle(m) for usage, _ in compiled.values() for m in usage}
+            launch = launch_constants(rel, tmp, list(names.values()), rev)
+            for arch in archs:
+                usage, funcs = compiled[arch]
                 for mangled in sorted(usage):
-                    name = demangle(mangled)
+                    name = names[mangled]
                     if name_filter and name_filter not in name:
                         continue
-                    base = re.match(r"\w+", name).group(0)
-                    params = re.search(r"<[^,<>]+,\s*([^<>]+)>$", name)  # the template arguments after T
-                    dyn = smem.get(f"{base}/{params.group(1)}") if params and base in SMEM_EXPRS else (
-                        0 if base in THREADS else None)
+                    base, params = instance_key(name)
+                    dyn, threads = launch.get(f"{base}/{params}", (None, 128))
                     u = usage[mangled]
-                    threads = INSTANCE_THREADS.get(f"{base}/{params.group(1)}" if params else "",
-                                                   THREADS.get(base, 128))
                     dev = DEVICES[ARCH_DEVICE[arch]]
                     ctas = None
                     if dyn is not None:

@@ -130,10 +130,13 @@ def _meta(shape, dtype):
 def _record(launcher_module, kernel_names, lazy_name, autotune: bool, sms: int, call) -> list[Launch]:
     """Run call() with the launcher module's kernels replaced by recorders; autotune picks the
     path the launcher takes (LazyAutotune returns (tuned, False) or (plain, True))."""
-    from spec_kernels.tree_verify import launch_plan
+    from spec_kernels.attention import plan, triton_common
 
     sink: list[Launch] = []
-    patches = {name: _Recorder(sink, getattr(launcher_module, name)) for name in kernel_names}
+    # The split merge is shared (attention.triton_common): recorded where merge_splits() finds it.
+    merge = {"merge_splits_kernel": _Recorder(sink, triton_common.merge_splits_kernel)}
+    patches = {name: _Recorder(sink, getattr(launcher_module, name)) for name in kernel_names
+               if name not in merge}
     if lazy_name is not None:
         lazy = getattr(launcher_module, lazy_name)
         tuned = _Recorder(sink, lazy.kernel, autotune=lazy)
@@ -141,7 +144,8 @@ def _record(launcher_module, kernel_names, lazy_name, autotune: bool, sms: int, 
     if hasattr(launcher_module, "plan_splits"):
         real_splits = launcher_module.plan_splits
         patches["plan_splits"] = lambda device, *a: real_splits(_CUDA, *a)
-    with _patched(launch_plan, sm_count=lambda index: sms), _patched(launcher_module, **patches):
+    with _patched(plan, sm_count=lambda index: sms), _patched(launcher_module, **patches), \
+            _patched(triton_common, **{k: v for k, v in merge.items() if k in kernel_names}):
         call()
     return sink
 
@@ -176,7 +180,7 @@ def _tree_verify_case(dtype, D, group, mode, B, drafts, max_draft=0, lse=True, i
     lse_t = _meta((T, Hq), torch.float32) if lse else None
 
     def run(autotune, sms):
-        return _record(tv, ["_tree_verify_fwd_kernel", "_merge_splits_kernel"], "_kernel_for_launch", autotune, sms,
+        return _record(tv, ["_tree_verify_fwd_kernel", "merge_splits_kernel"], "_kernel_for_launch", autotune, sms,
                        lambda: tv.tree_verify_attention(q, k, v, kv_indptr, kv_indices, qo, mask, D ** -0.5, out,
                                                         lse_t, 0, 1 if mode == "decode" else max_draft))
     return f"{_DTYPE_NAMES[dtype]} D{D} GQA{group} {mode} {_batch_label(mode, B, drafts, max_draft)}", run
@@ -198,7 +202,7 @@ def _mla_case(dtype, H, mode, B, drafts, max_draft=0, lse=True, dv=512, dr=64):
     lse_t = _meta((T, H), torch.float32) if lse else None
 
     def run(autotune, sms):
-        return _record(mla, ["_mla_fwd_kernel", "_merge_splits_kernel"], "_kernel_for_launch", autotune, sms,
+        return _record(mla, ["_mla_fwd_kernel", "merge_splits_kernel"], "_kernel_for_launch", autotune, sms,
                        lambda: mla.mla_tree_verify_attention(q, kv, kv_indptr, kv_indices, qo, mask,
                                                              (dv + dr) ** -0.5, dv, out, lse_t, 0,
                                                              1 if mode == "decode" else max_draft))
@@ -348,7 +352,7 @@ def _config_label(kw: dict, fixed: bool, pruned: bool) -> str:
 
 
 _KERNEL_LABELS = {
-    "_tree_verify_fwd_kernel": "tree_verify fwd", "_merge_splits_kernel": "merge splits",
+    "_tree_verify_fwd_kernel": "tree_verify fwd", "merge_splits_kernel": "merge splits",
     "_mla_fwd_kernel": "mla fwd", "_fused_add_rmsnorm_kernel": "add+rmsnorm",
     "_alloc_kernel": "kv_slots alloc", "_commit_kernel": "kv_slots commit",
 }

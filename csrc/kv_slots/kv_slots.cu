@@ -33,7 +33,7 @@
 namespace spec_kernels {
 namespace {
 
-constexpr int kThreads = 1024;
+constexpr int kThreads = kKvSlotsThreads;
 constexpr int kWarps = kThreads / 32;
 constexpr int kItems = kMaxDraftTokens / 32;  // draft tokens per lane (G >= max_draft / 2)
 constexpr int kCopyUnroll = 4;
@@ -690,7 +690,7 @@ cudaError_t launch_commit_draft_slots(const KvSlotBatch& batch, const KvCommitAr
   if (moves && (args.move_sync == nullptr || args.move_tag == 0 || args.move_tag >> kKvMoveTagBits ||
                 args.kv_blocks_per_request < 1 ||
                 int64_t{batch.num_requests} * args.kv_blocks_per_request > kKvMoveMaxBlocks)) {
-    return cudaErrorInvalidValue;  // ops.cpp checks these with messages
+    return cudaErrorInvalidValue;  // kv_slots_binding.cpp checks these with messages
   }
   const int64_t pool_slots = batch.num_pages << batch.log2_page_size;
   const int64_t slot_bound = moves && args.num_kv_rows < pool_slots ? args.num_kv_rows : pool_slots;

@@ -41,6 +41,7 @@
 #include <cfloat>
 
 #include "spec_kernels/mla.h"
+#include "spec_kernels/mla_config.h"
 #include "spec_kernels/kv_index.cuh"
 #include "spec_kernels/launch_once.cuh"
 #include "spec_kernels/mma.cuh"
@@ -49,12 +50,11 @@
 namespace spec_kernels {
 namespace {
 
-constexpr int kD = kMlaHeadDim;
-constexpr int kDv = kMlaVHeadDim;
-constexpr int kChunks = kD / 8;             // 16-byte chunks per row: 72
-constexpr int kRowBytes = kD * 2;           // 1152
-constexpr int kKSteps = kD / 16;            // 36 k16 steps of S = Q K^T
-static_assert(kKSteps % 4 == 0 && kChunks % 8 == 0, "head dims must split evenly");
+using mla::kChunks;
+using mla::kD;
+using mla::kDv;
+using mla::kKSteps;
+using mla::kRowBytes;
 
 // A per-lane constant the tile loop reads: the opaque move keeps ptxas from recomputing it from the
 // thread id in every iteration.
@@ -76,36 +76,7 @@ __device__ __forceinline__ float ex2(float x) {
   return y;
 }
 
-template <int kMTiles>
-struct MlaTile {
-  static constexpr int kBlockM = 16 * kMTiles;
-  static constexpr int kWarps = kMTiles == 4 ? 8 : 4;
-  static constexpr int kThreads = kWarps * 32;
-  static constexpr int kDvTiles = kDv / kWarps / 8;     // O += P V: n8 tiles (512 / kWarps columns) per warp
-  static constexpr int kBlockN = 8 * kWarps / kMTiles;  // one 16 x 8 unit of S per warp
-  static constexpr int kNWarps = kBlockN / 8;           // warps sharing one m tile's rows
-  static constexpr int kStageElems = kBlockN * kD;
-  // KV stages: 3 (two tiles in flight, two barriers per tile) where they fit, else 2 (three barriers)
-  static constexpr int kStages = kMTiles == 2 ? 3 : 2;
-  // P rows padded by 16 bytes: the 8 rows one ldmatrix reads fall in 8 different bank groups.
-  static constexpr int kPStride = kBlockN * 2 + 16;
-  static constexpr int kIdxStages = 4;  // slot ids of 4 tiles in flight, 8 bytes each
-  // Q fragments of the first kQRegSteps k16 steps stay in registers: 16-row CTAs (a 64-register O
-  // accumulator) 24, saving ldmatrix; 64-row CTAs 8, so that Q fits: only the other 28 steps'
-  // columns (kQChunks) stay in shared memory, the first ones are staged in KV stage 0 at the start.
-  static constexpr int kQRegSteps = kMTiles == 1 ? 24 : kMTiles == 4 ? 8 : 0;
-  static constexpr int kQStagedChunks = kMTiles == 4 ? 2 * kQRegSteps : 0;  // not in the Q tile
-  static constexpr int kQChunks = kChunks - kQStagedChunks;
-  static constexpr int kSmemBytes = (kBlockM * kQChunks * 8 + kStages * kStageElems) * 2 + kBlockM * kPStride +
-                                    kNWarps * kBlockM * 4 + kIdxStages * kBlockN * 8;
-  static_assert(kBlockM * kBlockN == 128 * kWarps && kBlockN % 16 == 0, "one S unit per warp, whole k16 steps");
-  static_assert(kDvTiles % 8 == 0, "a warp's output columns are whole 64-column blocks");
-  static_assert(kBlockN * 8 % kThreads == 0 || kThreads % (kBlockN * 8) == 0,
-                "the gather gives each of its threads whole rows of 8 chunks");
-  static_assert(kQStagedChunks % 8 == 0 && kQRegSteps % 4 == 0, "the Q split keeps the swizzle and q_off");
-  static_assert(kBlockM * kQStagedChunks * 16 <= kStageElems * 2, "the staged Q columns fit in KV stage 0");
-  static_assert(kSmemBytes <= 99 * 1024, "sm_120 allows 99 KB of shared memory per block");
-};
+// MlaTile<kMTiles> (the tile constants) and the list of configurations: spec_kernels/mla_config.h.
 
 template <typename T, int kMTiles>
 __global__ void __launch_bounds__(MlaTile<kMTiles>::kThreads) mla_tree_verify_kernel(const MlaParams p) {
@@ -529,17 +500,18 @@ cudaError_t launch(const MlaParams& p, cudaStream_t stream) {
   mla_tree_verify_kernel<T, kMTiles><<<grid, MlaTile<kMTiles>::kThreads, kSmem, stream>>>(p);
   cudaError_t err = cudaGetLastError();
   if (err != cudaSuccess || p.num_splits == 1) return err;
-  mla_merge_splits_kernel<T><<<static_cast<unsigned>(p.num_tokens) * p.num_heads, 128, 0, stream>>>(p);
+  mla_merge_splits_kernel<T><<<static_cast<unsigned>(p.num_tokens) * p.num_heads, kMlaMergeThreads, 0, stream>>>(p);
   return cudaGetLastError();
 }
 
 template <typename T>
 cudaError_t launch_for_rows(const MlaParams& p, cudaStream_t stream) {
-  switch (mla_block_m(p.max_rows)) {
-    case 16: return launch<T, 1>(p, stream);
-    case 32: return launch<T, 2>(p, stream);
-    default: return launch<T, 4>(p, stream);
-  }
+  const LaunchShape shape = mla_launch_shape(p.max_rows);
+#define SPEC_KERNELS_MLA_LAUNCH(M_TILES, REGS) \
+  if (shape.block_m == 16 * M_TILES) return launch<T, M_TILES>(p, stream);
+  SPEC_KERNELS_MLA_CONFIGS(SPEC_KERNELS_MLA_LAUNCH)
+#undef SPEC_KERNELS_MLA_LAUNCH
+  return cudaErrorInvalidValue;
 }
 
 }  // namespace

@@ -25,55 +25,13 @@
 #include "spec_kernels/mma.cuh"
 #include "spec_kernels/split_merge.cuh"
 #include "spec_kernels/tree_verify.h"
+#include "spec_kernels/tree_verify_config.h"
 
 namespace spec_kernels {
 namespace {
 
-// Three configurations, by query rows per CTA (kRows):
-//  64: the default, 4 warps.
-//  32 (kSmall, D = 128): the decode one (at most 16 rows): 32-key stages, 49 KB, so that two CTAs
-//      share an SM whose shared memory holds one of the 98 KB configuration (sm_120).
-// 128 (kWide, D = 128): 8 warps, for more than 64 rows (n = 16 drafts x GQA 8): each K/V tile is
-//      gathered once for all of them instead of once per 64-row block; same stages as 64 rows.
-template <int D, int kRows = kTreeVerifyBlockM>
-struct TileConfig {
-  static constexpr bool kSmall = kRows == 32, kWide = kRows == 128;
-  static_assert(kRows == kTreeVerifyBlockM || (D == 128 && (kSmall || kWide)),
-                "32 and 128 rows per CTA are D = 128 configurations");
-  static constexpr int kBlockM = kRows;  // query rows of a CTA
-  static constexpr int kWarps = kWide ? 8 : 4;
-  static constexpr int kThreads = kWarps * 32;
-  static constexpr int kChunks = D / 8;                            // 16-byte chunks per row
-  static constexpr int kStageKeys = kSmall || D >= 256 ? 32 : 64;   // keys per pipeline stage
-  static constexpr int kMaxWarpsN = kStageKeys / 16;               // a warp takes >= 16 keys of a stage
-  static constexpr int kMaxNTiles = kStageKeys / 8;                // n8 key tiles of one warp (warps_n = 1)
-  static constexpr int kDvTiles = D / 8;                           // n8 tiles of the output row
-  // Q fragments stay in registers across tiles where they fit (D / 4 registers per thread); the
-  // Q tile is then only staged once, in the last K stage.
-  static constexpr bool kQInRegs = D <= 128;
-  // K/V pipeline stages: three where sm_120's 99 KB hold them.
-  static constexpr int kStages = D == 128 ? 3 : 2;
-  // Slot ids of 4 tiles (8 bytes each, int32 or int64 as given): those of the kStages - 1 tiles
-  // being gathered and of the next kStages (the prologue waits at a barrier before reusing a cell).
-  static constexpr int kIdxStages = 4;
-  static constexpr int kIdxBytes = kIdxStages * kStageKeys * 8;
-  static constexpr int kQElems = kQInRegs ? 0 : kBlockM * D;
-  // [Q tile] + kStages K + kStages V stages + slot ids: 34 KB (D=64), 98 KB (D=128; small: 49 KB),
-  // 97 KB (D=256).
-  static constexpr int kSmemBytes = (kQElems + 2 * kStages * kStageKeys * D) * 2 + kIdxBytes;
-  // ... in the last K stage (rows 0-63) and the last V stage (rows 64-127; kWide).
-  static_assert(!kQInRegs || kBlockM <= 2 * kStageKeys, "the Q tile is staged in the last K and V stages");
-  static_assert(kIdxStages >= kStages + 1, "the ids of kStages tiles are pending while a tile's are read");
-  // CTAs per SM the registers must allow (__launch_bounds__): 3 at D=64 (4 would cap it at 128
-  // registers and spill); 2 for the small configuration; else 1, where shared memory allows 1-2
-  // anyway and a lower register target makes ptxas recompute tile addresses in the KV loop
-  // (kWide: 8 warps of up to 255 registers fill the register file).
-  static constexpr int kMinCtasPerSm = D == 64 ? 3 : kSmall ? 2 : 1;
-  // The end-of-loop merge reuses that memory: per warp, per lane, the accumulators + m, l.
-  static constexpr int kMergeFloats = kDvTiles * 4 + 4;
-  static_assert(kWarps * kMergeFloats * 32 * 4 <= kSmemBytes, "merge buffer must fit");
-  static_assert(kSmemBytes <= 99 * 1024, "sm_120 allows 99 KB of shared memory per block");
-};
+// The configurations (TileConfig<D, rows>) and the launch's choice among them:
+// spec_kernels/tree_verify_config.h.
 
 template <typename T, int D, int kRows>
 __global__ void __launch_bounds__(TileConfig<D, kRows>::kThreads, TileConfig<D, kRows>::kMinCtasPerSm)
@@ -437,23 +395,22 @@ __global__ void merge_splits_kernel(const TreeVerifyParams p) {
                   p.head_dim, static_cast<T*>(p.out) + token * p.o_stride_t + head * p.o_stride_h, p.lse);
 }
 
-// Whether the small D = 128 configuration fits twice on one of the device's SMs where the large
-// one does not (sm_120: 100 KB per SM), once per device.
-cudaError_t small_config_doubles_ctas(int device, bool& yes) {
-  static std::atomic<int> known[kMaxCachedDevices];  // 0: not yet asked, 1: no, 2: yes
+// The device's shared memory per SM and the part of it reserved per CTA, asked once per device.
+cudaError_t device_smem(int device, int& per_sm, int& reserved) {
+  static std::atomic<int> known_per_sm[kMaxCachedDevices];  // 0: not yet asked
+  static std::atomic<int> known_reserved[kMaxCachedDevices];
   const bool cached = device >= 0 && device < kMaxCachedDevices;
-  const int k = cached ? known[device].load(std::memory_order_acquire) : 0;
-  if (k != 0) {
-    yes = k == 2;
+  if (cached && (per_sm = known_per_sm[device].load(std::memory_order_acquire)) != 0) {
+    reserved = known_reserved[device].load(std::memory_order_relaxed);
     return cudaSuccess;
   }
-  int per_sm = 0, reserved = 0;
   cudaError_t err = cudaDeviceGetAttribute(&per_sm, cudaDevAttrMaxSharedMemoryPerMultiprocessor, device);
   if (err == cudaSuccess) err = cudaDeviceGetAttribute(&reserved, cudaDevAttrReservedSharedMemoryPerBlock, device);
   if (err != cudaSuccess) return err;
-  constexpr int kLarge = TileConfig<128>::kSmemBytes, kSmall = TileConfig<128, 32>::kSmemBytes;
-  yes = 2 * (kLarge + reserved) > per_sm && 2 * (kSmall + reserved) <= per_sm;
-  if (cached) known[device].store(yes ? 2 : 1, std::memory_order_release);
+  if (cached) {
+    known_reserved[device].store(reserved, std::memory_order_relaxed);
+    known_per_sm[device].store(per_sm, std::memory_order_release);
+  }
   return cudaSuccess;
 }
 
@@ -467,45 +424,29 @@ cudaError_t launch_config(const TreeVerifyParams& p, int device, cudaStream_t st
   tree_verify_kernel<T, D, kRows><<<grid, Cfg::kThreads, Cfg::kSmemBytes, stream>>>(p);
   cudaError_t err = cudaGetLastError();
   if (err != cudaSuccess || p.num_splits == 1) return err;
-  merge_splits_kernel<T><<<p.num_tokens * p.num_q_heads, 64, 0, stream>>>(p);
+  merge_splits_kernel<T><<<p.num_tokens * p.num_q_heads, kTreeVerifyMergeThreads, 0, stream>>>(p);
   return cudaGetLastError();
 }
 
-template <typename T, int D>
-cudaError_t launch(const TreeVerifyParams& p, cudaStream_t stream) {
-  int device = 0;
-  const cudaError_t err = cudaGetDevice(&device);
-  if (err != cudaSuccess) return err;
-  if constexpr (D == 128) {
-    // More than 64 rows: 128-row CTAs read each K/V tile once for all of them.
-    if (p.max_rows > kTreeVerifyBlockM) return launch_config<T, D, 128>(p, device, stream);
-    // Decode (<= 16 rows) takes the small configuration where it doubles the CTAs per SM.
-    bool small = false;
-    if (p.max_rows <= 16) {
-      const cudaError_t q_err = small_config_doubles_ctas(device, small);
-      if (q_err != cudaSuccess) return q_err;
-    }
-    if (small) return launch_config<T, D, 32>(p, device, stream);
-  }
-  return launch_config<T, D, kTreeVerifyBlockM>(p, device, stream);
-}
-
 template <typename T>
-cudaError_t launch_for_head_dim(const TreeVerifyParams& p, cudaStream_t stream) {
-  switch (p.head_dim) {
-    case 64: return launch<T, 64>(p, stream);
-    case 128: return launch<T, 128>(p, stream);
-    case 256: return launch<T, 256>(p, stream);
-    default: return cudaErrorInvalidValue;
-  }
+cudaError_t launch(const TreeVerifyParams& p, cudaStream_t stream) {
+  int device = 0, per_sm = 0, reserved = 0;
+  cudaError_t err = cudaGetDevice(&device);
+  if (err == cudaSuccess) err = device_smem(device, per_sm, reserved);
+  if (err != cudaSuccess) return err;
+  const LaunchShape shape = tree_verify_launch_shape(p.head_dim, p.max_rows, per_sm, reserved);
+#define SPEC_KERNELS_TV_LAUNCH(D, ROWS, REGS) \
+  if (shape.head_dim == D && shape.block_m == ROWS) return launch_config<T, D, ROWS>(p, device, stream);
+  SPEC_KERNELS_TREE_VERIFY_CONFIGS(SPEC_KERNELS_TV_LAUNCH)
+#undef SPEC_KERNELS_TV_LAUNCH
+  return cudaErrorInvalidValue;  // no configuration for this head dim
 }
 
 }  // namespace
 
 cudaError_t launch_tree_verify_attention(const TreeVerifyParams& p, Dtype dtype, cudaStream_t stream) {
   if (p.num_requests == 0 || p.num_tokens == 0) return cudaSuccess;
-  return dtype == Dtype::kBFloat16 ? launch_for_head_dim<__nv_bfloat16>(p, stream)
-                                   : launch_for_head_dim<__half>(p, stream);
+  return dtype == Dtype::kBFloat16 ? launch<__nv_bfloat16>(p, stream) : launch<__half>(p, stream);
 }
 
 }  // namespace spec_kernels

@@ -14,7 +14,7 @@ also when the step is a CUDA graph replay), without a device sync. A failed call
 after it, writes NaN into its outputs: a replayed graph cannot silently compute on stale data.
 
 Status: compiled for sm_90a / sm_120a and reviewed, NOT yet run on a GPU; the torch-side ops
-are registered in csrc/ops.cpp (torch.ops.spec_kernels_cuda.fused_allreduce and allreduce_*).
+are bound in csrc/allreduce/allreduce_binding.cpp (torch.ops.spec_kernels_cuda.fused_allreduce and allreduce_*).
 """
 from __future__ import annotations
 
@@ -28,8 +28,12 @@ import torch
 from .._ops import cuda_ops, cuda_unavailable_reason, sm_count
 
 PUSH_CAPACITY = 1 << 20  # largest message on the push path: 3 slots x W senders of it per rank
+# The kernels' constants (csrc/include/spec_kernels/norm_allreduce.h; tests/test_limits.py checks
+# them against the built extension).
+MAX_RANKS = 8
 MAX_BLOCKS = 64  # thread blocks per call (the kernels' limit); the minimum over ranks is used
 ALGORITHM_CODES = {"oneshot_push": 0, "oneshot_pull": 1, "twoshot": 2, "oneshot_push_1block": 3}
+ERROR_OK, ERROR_TIMEOUT, ERROR_SIZE_MISMATCH, ERROR_BLOCKS_MISMATCH = 0, 1, 2, 3  # ErrorCode
 
 
 def unavailable_reason(device: torch.device, world_size: int, hidden_size: int, dtype: torch.dtype) -> Optional[str]:
@@ -152,17 +156,17 @@ def describe_error_word(word: list[int], timeout_s: float, num_blocks: int) -> O
     """(algorithm, message) for the ErrorWord fields (code, seq, rank, peer, block, algorithm,
     mine, theirs) a kernel left in host memory; None when code is 0."""
     code, seq, _rank, peer, block, algo, mine, theirs = (int(v) for v in word)
-    if code == 0:
+    if code == ERROR_OK:
         return None
     name = {v: k for k, v in ALGORITHM_CODES.items()}.get(algo, f"algorithm#{algo}")
-    if code == 3:
+    if code == ERROR_BLOCKS_MISMATCH:
         return name, (f"a {name} kernel was launched with {theirs & 0xFFFFFFFF} thread blocks; the buffers were "
                       f"created for {num_blocks} (1 for oneshot_push_1block): refused")
     where = f"device call #{seq & 0xFFFFFFFF} (block {block})"
-    if code == 1:
+    if code == ERROR_TIMEOUT:
         return name, (f"{where}: waited more than timeout_s={timeout_s:g} s for rank {peer}; it is dead, "
                       f"stuck, or not making the same calls")
-    if code == 2:
+    if code == ERROR_SIZE_MISMATCH:
         return name, (f"{where}: ranks disagree on the message: this rank sends {_header(mine)}, rank {peer} "
                       f"sends {_header(theirs)}")
     return name, f"{where}: error code {code}"

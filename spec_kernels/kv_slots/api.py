@@ -18,9 +18,10 @@ from typing import Optional, Sequence
 import torch
 
 from .._checks import INDEX_DTYPES, _is_fake, check_shape, check_tensor, common_device, values_checkable
+from .._limits import MAX_DRAFT_TOKENS  # an accepted path is one 64-bit mask of draft indices
 from .._ops import cuda_ops, op_impls, sm_count
 from . import reference, triton_kernel
-from .reference import MAX_DRAFT_TOKENS, PAGE_FREE, PAGE_HELD, STATUS_LEN, STATUS_OK, STATUS_OUT_OF_PAGES, Verdict
+from .reference import PAGE_FREE, PAGE_HELD, STATUS_LEN, STATUS_OK, STATUS_OUT_OF_PAGES, Verdict
 
 ALLOC = op_impls("alloc_draft_slots")
 COMMIT = op_impls("commit_draft_slots")

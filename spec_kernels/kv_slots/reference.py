@@ -45,7 +45,6 @@ from typing import Optional, Sequence
 
 import torch
 
-MAX_DRAFT_TOKENS = 64  # an accepted path is one 64-bit mask of draft indices
 
 # page_state values (csrc/include/spec_kernels/launchers.h). PAGE_MARK is seen only inside a
 # kernel launch: the kernels claim the call's pages with atomic exchanges to it, which finds a

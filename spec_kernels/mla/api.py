@@ -21,9 +21,15 @@ from .._checks import (
     values_checkable,
 )
 from .._ops import op_impls
-from ..tree_verify.api import _check_draft_values, _check_kv_values, _check_out, _scale
-from ..tree_verify.launch_plan import MAX_KV_SPLITS
-from ..tree_verify.reference import MAX_DRAFT_TOKENS
+from ..attention.plan import SplitWorkspace
+from ..attention.checks import (
+    check_draft_values,
+    check_kv_values,
+    check_max_draft_tokens,
+    check_num_kv_splits,
+    check_out,
+    softmax_scale,
+)
 from . import cuda as cuda_binding
 from . import reference, triton_kernel
 
@@ -68,6 +74,43 @@ def _mla_op(
 @_mla_op.register_fake
 def _(q, kv_cache, kv_indptr, kv_indices, qo_indptr, tree_mask, sm_scale, v_head_dim, out, lse, impl, num_kv_splits,
       max_draft_tokens):
+    return None
+
+
+@torch.library.custom_op("spec_kernels::mla_tree_verify_attention_run",
+                         mutates_args=("out", "lse", "o_partial", "lse_partial"))
+def _mla_run_op(
+    q: torch.Tensor,
+    kv_cache: torch.Tensor,
+    kv_indptr: torch.Tensor,
+    kv_indices: torch.Tensor,
+    qo_indptr: Optional[torch.Tensor],
+    tree_mask: Optional[torch.Tensor],
+    sm_scale: float,
+    v_head_dim: int,
+    out: torch.Tensor,
+    lse: Optional[torch.Tensor],
+    o_partial: Optional[torch.Tensor],
+    lse_partial: Optional[torch.Tensor],
+    impl: str,
+    num_kv_splits: int,
+    min_chunk: int,
+    max_draft_tokens: int,
+) -> None:
+    """The planned launch (spec_kernels.mla.plan.MlaPlan.run): implementation, splits, their
+    minimum share and the split buffers come from the plan."""
+    fn = MLA.impls[impl]
+    args = (q, kv_cache, kv_indptr, kv_indices, qo_indptr, tree_mask, sm_scale, v_head_dim, out, lse, num_kv_splits,
+            max_draft_tokens)
+    if impl == "reference":
+        fn(*args)
+    else:
+        fn(*args, workspace=SplitWorkspace(num_kv_splits, min_chunk, o_partial, lse_partial))
+
+
+@_mla_run_op.register_fake
+def _(q, kv_cache, kv_indptr, kv_indices, qo_indptr, tree_mask, sm_scale, v_head_dim, out, lse, o_partial,
+      lse_partial, impl, num_kv_splits, min_chunk, max_draft_tokens):
     return None
 
 
@@ -152,7 +195,7 @@ def mla_tree_verify_attention(
         out: optional [T, H, v_head_dim] output buffer (q's dtype, contiguous), written and returned.
         impl: "cuda", "triton" or "reference" to force one; default the fastest available.
         num_kv_splits: split every prefix into this many parts (1..64); default from the shapes
-            and the GPU (the CTAs it holds at once, tree_verify.launch_plan), never from the
+            and the GPU (the CTAs it holds at once, spec_kernels.attention.plan), never from the
             tensors' values.
         max_draft_tokens: an upper bound of every n_b (1..64): sizes the launch (default min(T, 64)).
 
@@ -182,10 +225,9 @@ def mla_tree_verify_attention(
     check_shape(qo_indptr, "qo_indptr", (B + 1,), "B+1, like kv_indptr")
     check_tensor(tree_mask, "tree_mask", dim=1, dtypes=(torch.int64,), device=dev, like=like)
     check_shape(tree_mask, "tree_mask", (T,), "one word per query row of q")
-    if max_draft_tokens is not None and not (1 <= int(max_draft_tokens) <= MAX_DRAFT_TOKENS):
-        raise ValueError(f"max_draft_tokens must be in [1, {MAX_DRAFT_TOKENS}], got {max_draft_tokens}")
+    check_max_draft_tokens(max_draft_tokens)
     if values_checkable(kv_indptr, qo_indptr, kv_indices, tree_mask):
-        _check_draft_values(qo_indptr, kv_indptr, kv_indices, tree_mask, T, kv2d.shape[0], max_draft_tokens,
+        check_draft_values(qo_indptr, kv_indptr, kv_indices, tree_mask, T, kv2d.shape[0], max_draft_tokens,
                             "kv_cache")
     return _run(q, kv2d, kv_indptr, kv_indices, qo_indptr, tree_mask, sm_scale, v_head_dim, return_lse, out, impl,
                 num_kv_splits, max_draft_tokens)
@@ -215,19 +257,18 @@ def mla_decode_attention(
     if q.shape[0] != B:
         raise ValueError(f"q must have one row per request: q.shape[0]={q.shape[0]} but kv_indptr has B={B}")
     if values_checkable(kv_indptr, kv_indices):
-        _check_kv_values(kv_indptr, kv_indices, kv2d.shape[0], [0] * B, "kv_cache")
+        check_kv_values(kv_indptr, kv_indices, kv2d.shape[0], [0] * B, "kv_cache")
     return _run(q, kv2d, kv_indptr, kv_indices, None, None, sm_scale, v_head_dim, return_lse, out, impl,
                 num_kv_splits, 1)
 
 
 def _run(q, kv_cache, kv_indptr, kv_indices, qo_indptr, tree_mask, sm_scale, v_head_dim, return_lse, out, impl,
          num_kv_splits, max_draft_tokens):
-    if num_kv_splits is not None and not (1 <= int(num_kv_splits) <= MAX_KV_SPLITS):
-        raise ValueError(f"num_kv_splits must be in [1, {MAX_KV_SPLITS}], got {num_kv_splits}")
-    out = _check_out(out, q, v_head_dim)
+    check_num_kv_splits(num_kv_splits)
+    out = check_out(out, q, v_head_dim)
     lse = q.new_empty(q.shape[:2], dtype=torch.float32) if return_lse else None
     torch.ops.spec_kernels.mla_tree_verify_attention(
-        q, kv_cache, kv_indptr, kv_indices, qo_indptr, tree_mask, _scale(sm_scale, q.shape[2]), v_head_dim,
+        q, kv_cache, kv_indptr, kv_indices, qo_indptr, tree_mask, softmax_scale(sm_scale, q.shape[2]), v_head_dim,
         out, lse, impl or "", int(num_kv_splits or 0), int(max_draft_tokens or 0),
     )
     return (out, lse) if return_lse else out

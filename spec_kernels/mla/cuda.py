@@ -1,22 +1,24 @@
 """CUDA binding of MLA tree-verify attention: sizes the launch, allocates the split buffers and calls
 torch.ops.spec_kernels_cuda.mla_tree_verify_attention (csrc/mla/mla_tree_verify_attention.cu,
-host checks in csrc/ops.cpp)."""
+host checks in csrc/mla/mla_binding.cpp)."""
 from __future__ import annotations
 
 from typing import Optional
 
 import torch
 
-from .._ops import cuda_ops
-from ..tree_verify.launch_plan import MIN_SPLIT_KEYS, cuda_mla_resources, expected_rows, max_rows, mean_prefix
-from ..tree_verify.launch_plan import num_kv_splits as plan_splits
+from .._ops import cuda_ops, kernel_config, mla_launch_config
+from ..attention.plan import KernelResources, SplitWorkspace, expected_rows, max_rows, mean_prefix
+from ..attention.plan import num_kv_splits as plan_splits
 
 HEAD_DIM, V_HEAD_DIM = 576, 512  # kMlaHeadDim / kMlaVHeadDim in csrc/include/spec_kernels/mla.h
+KERNEL = "mla_tree_verify_kernel"
 
 
 def block_m(rows: int) -> int:
-    """Rows per CTA: mla_block_m() in csrc/include/spec_kernels/mla.h."""
-    return 16 if rows <= 16 else 32 if rows <= 32 else 64
+    """Rows per CTA of the configuration a launch of `rows` (max_rows) takes (mla_block_m in
+    csrc/include/spec_kernels/mla.h, read from the extension)."""
+    return mla_launch_config(max(rows, 1)).block_m
 
 
 def supports(q, kv_cache, v_head_dim, *_) -> Optional[str]:
@@ -31,24 +33,36 @@ def supports(q, kv_cache, v_head_dim, *_) -> Optional[str]:
     return None
 
 
+def auto_splits(device: torch.device, num_tokens: int, num_requests: int, num_heads: int, num_indices: int,
+                decode: bool, max_draft_tokens: int = 0) -> int:
+    """KV splits the CUDA launch plans for this batch layout (never from tensor values): for the
+    rows that hold work in an even batch, on the configuration the launch takes."""
+    rows = max_rows(num_tokens, num_heads, decode, max_draft_tokens)
+    work = expected_rows(num_tokens, num_requests, num_heads, decode, max_draft_tokens)
+    return plan_splits(device, num_requests, 1, work, block_m(rows), cuda_mla_resources(block_m(rows)),
+                       mean_prefix(num_indices, num_requests, work, num_heads))
+
+
 def mla_tree_verify_attention(q, kv_cache, kv_indptr, kv_indices, qo_indptr, tree_mask, sm_scale, v_head_dim,
-                              out, lse, num_kv_splits=0, max_draft_tokens=0) -> None:
+                              out, lse, num_kv_splits=0, max_draft_tokens=0, workspace=None) -> None:
     T, H, _ = q.shape
     B = kv_indptr.numel() - 1
     if T == 0 or B == 0:  # nothing to compute (every n_b = 0, or no request); a 0-row grid is no launch
         return
     decode = qo_indptr is None
     rows = max_rows(T, H, decode, max_draft_tokens)  # sizes the grid (and the tile): every valid n_b fits
-    splits = num_kv_splits
-    if not splits:  # planned for the rows that hold work in an even batch
-        work = expected_rows(T, B, H, decode, max_draft_tokens)
-        splits = plan_splits(q.device, B, 1, work, block_m(rows), cuda_mla_resources(block_m(rows)),
-                             mean_prefix(kv_indices.numel(), B, work, H))
-    o_partial = lse_partial = None
-    if splits > 1:
-        o_partial = torch.empty((splits, T, H, v_head_dim), dtype=torch.float32, device=q.device)
-        lse_partial = torch.empty((splits, T, H), dtype=torch.float32, device=q.device)
-    # A forced split count divides the prefix evenly; automatic splits keep >= 256 keys each.
-    min_chunk = 0 if num_kv_splits else MIN_SPLIT_KEYS
+    if workspace is None:
+        splits = num_kv_splits or auto_splits(q.device, T, B, H, kv_indices.numel(), decode, max_draft_tokens)
+        # A forced split count divides the prefix evenly; automatic splits keep >= 256 keys each.
+        workspace = SplitWorkspace.make(splits, bool(num_kv_splits), T, H, v_head_dim, q.device)
     cuda_ops().mla_tree_verify_attention(q, kv_cache, kv_indptr, kv_indices, qo_indptr, tree_mask, out, lse,
-                                         o_partial, lse_partial, sm_scale, splits, min_chunk, rows)
+                                         workspace.o_partial, workspace.lse_partial, sm_scale, workspace.splits,
+                                         workspace.min_chunk, rows)
+
+
+def cuda_mla_resources(block_m: int) -> KernelResources:
+    """Threads, registers and dynamic shared memory of the compiled configuration with block_m
+    rows per CTA, as the extension reports them (MlaTile and the list of configurations in
+    csrc/include/spec_kernels/mla_config.h). ValueError when there is none."""
+    c = kernel_config(KERNEL, HEAD_DIM, block_m)
+    return KernelResources(c.threads, c.regs, c.smem_bytes)

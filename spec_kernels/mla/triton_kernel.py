@@ -28,10 +28,10 @@ import triton.language as tl
 
 from .._ops import triton_interpreting
 from .._autotune import LazyAutotune
-from ..tree_verify.launch_plan import MIN_SPLIT_KEYS, expected_rows, mean_prefix, triton_mla_resources
-from ..tree_verify.launch_plan import max_rows as plan_max_rows
-from ..tree_verify.launch_plan import num_kv_splits as plan_splits
-from ..tree_verify.triton_kernel import LOG2E, _merge_splits_kernel, draft_bits, finite_or_nan, indptr_range
+from ..attention.plan import MIN_SPLIT_KEYS, KernelResources, expected_rows, mean_prefix, triton_resources
+from ..attention.plan import max_rows as plan_max_rows
+from ..attention.plan import num_kv_splits as plan_splits
+from ..attention.triton_common import LOG2E, draft_bits, finite_or_nan, indptr_range, merge_splits, split_destinations
 
 
 @triton.jit
@@ -207,6 +207,28 @@ _kernel_for_launch = LazyAutotune(
 )
 
 
+# The resources the split planner assumes (spec_kernels.attention.plan), from
+# `python tools/triton_compile_report.py --ci --kernels mla` (BLOCK_M 32, 8 warps: 177 registers).
+TRITON_MLA_REGS = 177
+
+
+def triton_mla_resources(block_m: int, head_dim: int, elt: int) -> KernelResources:
+    """spec_kernels/mla/triton_kernel.py on a GPU: 8 warps, Q tile + one 16-key latent tile."""
+    return triton_resources(8, (block_m + 16) * head_dim * elt + 1024, TRITON_MLA_REGS)
+
+
+def auto_splits(device: torch.device, num_tokens: int, num_requests: int, num_heads: int, head_dim: int,
+                kv_dtype: torch.dtype, num_indices: int, decode: bool, max_draft_tokens: int = 0,
+                block_m: Optional[int] = None) -> int:
+    """KV splits the Triton launch plans for this batch layout (never from tensor values): for the
+    rows that hold work in an even batch (the grid keeps max_rows)."""
+    block_m = block_m or default_block_m(plan_max_rows(num_tokens, num_heads, decode, max_draft_tokens))
+    rows = expected_rows(num_tokens, num_requests, num_heads, decode, max_draft_tokens)
+    elem = torch.empty((), dtype=kv_dtype).element_size()
+    return plan_splits(device, num_requests, 1, rows, block_m, triton_mla_resources(block_m, head_dim, elem),
+                       mean_prefix(num_indices, num_requests, rows, num_heads))
+
+
 def mla_tree_verify_attention(
     q: torch.Tensor,
     kv_cache: torch.Tensor,
@@ -222,9 +244,11 @@ def mla_tree_verify_attention(
     max_draft_tokens: int = 0,
     block_m: Optional[int] = None,
     block_n: Optional[int] = None,
+    workspace=None,
 ) -> None:
     """Launch the Triton kernel(s). Arguments as in spec_kernels.mla.mla_tree_verify_attention
-    (already checked; kv_cache is [S, D]); block_m/block_n override the tile (tests)."""
+    (already checked; kv_cache is [S, D]); block_m/block_n override the tile (tests); a planned
+    SplitWorkspace gives the splits, their minimum share and the partial buffers."""
     T, H, D = q.shape
     B = kv_indptr.numel() - 1
     if T == 0 or B == 0:
@@ -232,26 +256,21 @@ def mla_tree_verify_attention(
     is_decode = qo_indptr is None
     max_rows = plan_max_rows(T, H, is_decode, max_draft_tokens)
     block_m = block_m or default_block_m(max_rows)
-    splits = num_kv_splits
-    if not splits:  # planned for the rows that hold work in an even batch (the grid keeps max_rows)
-        rows = expected_rows(T, B, H, is_decode, max_draft_tokens)
-        splits = plan_splits(q.device, B, 1, rows, block_m, triton_mla_resources(block_m, D, kv_cache.element_size()),
-                             mean_prefix(kv_indices.numel(), B, rows, H))
+    if workspace is not None:
+        splits, min_chunk = workspace.splits, workspace.min_chunk
+    elif not num_kv_splits:
+        splits = auto_splits(q.device, T, B, H, D, kv_cache.dtype, kv_indices.numel(), is_decode, max_draft_tokens,
+                             block_m)
+        min_chunk = MIN_SPLIT_KEYS  # automatic splits keep >= 256 keys each
+    else:
+        splits, min_chunk = num_kv_splits, 0  # a forced split count divides the prefix evenly
     kernel, fixed = _kernel_for_launch()
     # Placeholders for absent optional pointers (never dereferenced: constexpr branches).
     qo_ptr = qo_indptr if qo_indptr is not None else kv_indptr
     mask_ptr = tree_mask if tree_mask is not None else kv_indptr
 
     partial = splits > 1
-    if partial:
-        o_dst = torch.empty((splits, T, H, v_head_dim), dtype=torch.float32, device=q.device)
-        lse_dst = torch.empty((splits, T, H), dtype=torch.float32, device=q.device)
-        strides_o = (o_dst.stride(1), o_dst.stride(2), o_dst.stride(0))
-        strides_l = (lse_dst.stride(1), lse_dst.stride(0))
-    else:
-        o_dst, lse_dst = out, (lse if lse is not None else out)
-        strides_o = (out.stride(0), out.stride(1), 0)
-        strides_l = (lse.stride(0) if lse is not None else 0, 0)
+    o_dst, lse_dst, strides_o, strides_l = split_destinations(splits, out, lse, workspace)
 
     args = (q, kv_cache, kv_indptr, kv_indices, qo_ptr, mask_ptr, o_dst, lse_dst, sm_scale * LOG2E,
             q.stride(0), q.stride(1), kv_cache.stride(0), *strides_o, *strides_l, max_rows, splits,
@@ -261,7 +280,7 @@ def mla_tree_verify_attention(
         PARTIAL=partial, COMPUTE_F32=triton_interpreting() or q.dtype == torch.float32,
         IEEE_DOT=q.dtype == torch.float32,
         # A forced split count divides the prefix evenly; the automatic one keeps splits >= 256 keys.
-        MIN_CHUNK=0 if num_kv_splits else MIN_SPLIT_KEYS,
+        MIN_CHUNK=min_chunk,
         BLOCK_M=block_m,
     )
     grid = (B * triton.cdiv(max_rows, block_m), splits)
@@ -272,10 +291,4 @@ def mla_tree_verify_attention(
         kernel[grid](*args, **meta)
 
     if partial:
-        _merge_splits_kernel[(T * H,)](
-            o_dst, lse_dst, out, lse if lse is not None else out,
-            H, splits,
-            o_dst.stride(0), o_dst.stride(1), o_dst.stride(2), lse_dst.stride(0), lse_dst.stride(1),
-            out.stride(0), out.stride(1), lse.stride(0) if lse is not None else 0,
-            DV=v_head_dim, BLOCK_S=triton.next_power_of_2(splits), WRITE_LSE=lse is not None,
-        )
+        merge_splits(o_dst, lse_dst, out, lse)

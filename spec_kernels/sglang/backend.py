@@ -31,7 +31,7 @@ from __future__ import annotations
 
 import logging
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Optional
 
 import torch
@@ -45,8 +45,8 @@ from sglang.srt.model_executor.forward_batch_info import ForwardBatch, ForwardMo
 from sglang.srt.runtime_context import get_parallel, get_spec
 from sglang.srt.speculative.eagle_utils import TreeMaskMode
 
-from .. import decode_attention, tree_verify_attention
-from ..mla import mla_decode_attention, mla_tree_verify_attention
+from ..mla import MlaPlan
+from ..tree_verify import TreeVerifyPlan
 from ..mla.api import LATENT_DIMS as MLA_LATENT_DIMS
 from ..mla.api import ROPE_DIMS as MLA_ROPE_DIMS
 from . import masks
@@ -73,6 +73,8 @@ class _Metadata:
     qo_indptr: Optional[torch.Tensor]  # int32 [bs + 1], verify only
     tree_mask: Optional[torch.Tensor]  # int64 [bs * n], verify only
     num_draft: int  # tokens per request (1 for decode)
+    # TreeVerifyPlan / MlaPlan per layer geometry: planned once per batch, run by every layer.
+    plans: dict = field(default_factory=dict)
 
 
 def extend_backend_name(device: str, mla: bool = False) -> str:
@@ -203,6 +205,9 @@ class SpecFusedAttnBackend(AttentionBackend):
             )
         self.forward_metadata: Optional[_Metadata] = None
         self._graph = None  # static buffers, set by init_cuda_graph_state
+        # Layer geometries (mla, heads, kv heads, head dim, v head dim, dtype, scale) seen in
+        # forward_*: init_forward_metadata plans each of them for the batch.
+        self._geometries: set = set()
 
     # ------------------------------------------------------------------ routing
     @staticmethod
@@ -212,7 +217,7 @@ class SpecFusedAttnBackend(AttentionBackend):
     def init_forward_metadata(self, forward_batch: ForwardBatch):
         _check_fused_allreduce()
         if self._is_ours(forward_batch.forward_mode):
-            self.forward_metadata = self._build_metadata(forward_batch, static=False)
+            self.forward_metadata = self._planned(self._build_metadata(forward_batch, static=False))
         else:
             self.prefill_backend.init_forward_metadata(forward_batch)
 
@@ -222,8 +227,8 @@ class SpecFusedAttnBackend(AttentionBackend):
             # Capture and replay run the same body: refill the static buffers. The metadata
             # object made at capture points at them, and the captured kernels keep reading there.
             metadata = self._build_metadata(forward_batch, static=True)
-            if in_capture:
-                self.forward_metadata = metadata
+            if in_capture:  # the captured launches keep the plans' split buffers
+                self.forward_metadata = self._planned(metadata)
         else:
             self.prefill_backend.init_forward_metadata_out_graph(forward_batch, in_capture=in_capture)
 
@@ -351,6 +356,30 @@ class SpecFusedAttnBackend(AttentionBackend):
             tree_mask = self._draft_words(fb.spec_info, seq_lens, bs, n)
         return _Metadata(kv_indptr, kv_indices, qo_indptr, tree_mask, n)
 
+    def _planned(self, md: Optional[_Metadata]) -> Optional[_Metadata]:
+        """md with a plan for every layer geometry seen so far (all of them after the first step),
+        so that forward_* only runs."""
+        if md is not None:
+            for key in self._geometries:
+                self._plan(md, key)
+        return md
+
+    def _plan(self, md: _Metadata, key: tuple):
+        plan = md.plans.get(key)
+        if plan is None:
+            mla, heads, kv_heads, head_dim, v_head_dim, dtype, scaling = key
+            layout = (md.kv_indptr, md.kv_indices, md.qo_indptr, md.tree_mask)
+            draft = dict(max_draft_tokens=md.num_draft) if md.qo_indptr is not None else {}
+            if mla:
+                plan = MlaPlan(*layout, num_heads=heads, head_dim=head_dim, v_head_dim=v_head_dim, dtype=dtype,
+                               sm_scale=scaling, **draft)
+            else:
+                plan = TreeVerifyPlan(*layout, num_q_heads=heads, num_kv_heads=kv_heads, head_dim=head_dim,
+                                      v_head_dim=v_head_dim, dtype=dtype, sm_scale=scaling, **draft)
+            md.plans[key] = plan
+            self._geometries.add(key)
+        return plan
+
     def _tokens_per_request(self, spec_info) -> int:
         # `--speculative-adaptive` verifies with draft_token_num = 1 when it turns drafting
         # off; num_tokens_per_req is the per-batch width (a host int).
@@ -404,24 +433,19 @@ class SpecFusedAttnBackend(AttentionBackend):
             q3 = q.reshape(-1, heads, layer.qk_head_dim).contiguous()
         o = q.new_empty((q3.shape[0], heads * layer.v_head_dim))
         out = o.view(-1, heads, layer.v_head_dim)
+        if verify != (md.qo_indptr is not None):
+            raise RuntimeError("specfused: the forward metadata was built for another forward mode")
+        # The batch's plan for this layer's geometry (made in init_forward_metadata after the
+        # first step; the first step plans at its first layer), then only the launch.
+        kv_heads = 1 if self.use_mla else layer.tp_k_head_num
+        plan = self._plan(md, (self.use_mla, heads, kv_heads, layer.qk_head_dim, layer.v_head_dim, q3.dtype,
+                               float(layer.scaling)))
         if self.use_mla:
             # One latent head [slots, 1, 576]; the ops read the value as its first v_head_dim values.
-            kv_cache = self.token_to_kv_pool.get_key_buffer(layer.layer_id)
-            if verify:
-                mla_tree_verify_attention(q3, kv_cache, md.kv_indptr, md.kv_indices, md.qo_indptr, md.tree_mask,
-                                          sm_scale=layer.scaling, v_head_dim=layer.v_head_dim, out=out,
-                                          max_draft_tokens=md.num_draft)
-            else:
-                mla_decode_attention(q3, kv_cache, md.kv_indptr, md.kv_indices, sm_scale=layer.scaling,
-                                     v_head_dim=layer.v_head_dim, out=out)
-            return o
-        k_cache, v_cache = self._kv_buffers(layer)
-        if verify:
-            # max_draft_tokens: every request has md.num_draft tokens; it sizes the launch.
-            tree_verify_attention(q3, k_cache, v_cache, md.kv_indptr, md.kv_indices, md.qo_indptr, md.tree_mask,
-                                  sm_scale=layer.scaling, out=out, max_draft_tokens=md.num_draft)
+            plan.run(q3, self.token_to_kv_pool.get_key_buffer(layer.layer_id), out=out)
         else:
-            decode_attention(q3, k_cache, v_cache, md.kv_indptr, md.kv_indices, sm_scale=layer.scaling, out=out)
+            k_cache, v_cache = self._kv_buffers(layer)
+            plan.run(q3, k_cache, v_cache, out=out)
         return o
 
     # q_rope / k_rope: SGLang's MLA backends' split form (FlashInfer-MLA's forward_decode/extend).

@@ -18,7 +18,8 @@ from __future__ import annotations
 
 import torch
 
-MAX_DRAFT_TOKENS = 64
+from .._limits import MAX_DRAFT_TOKENS
+
 
 # Bit weights 2^j as int64; bit 63 is the sign bit, so its weight is -2^63. A sum of distinct
 # weights never overflows, and the result has exactly those bits set.

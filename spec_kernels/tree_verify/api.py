@@ -9,7 +9,6 @@ rule of spec_kernels._ops (cuda -> triton -> reference, or the one forced with i
 """
 from __future__ import annotations
 
-import math
 from typing import Optional, Union
 
 import torch
@@ -17,21 +16,26 @@ import torch
 from .._checks import (
     FLOAT_DTYPES,
     INDEX_DTYPES,
-    check_index_range,
     check_indptr_values,
-    check_offset_indptr_values,
     check_shape,
-    check_tree_mask_values,
     check_tensor,
     common_device,
     values_checkable,
 )
+from .._limits import MAX_DRAFT_TOKENS
 from .._ops import cuda_ops, op_impls
+from ..attention.plan import SplitWorkspace
+from ..attention.checks import (
+    check_draft_values,
+    check_kv_values,
+    check_max_draft_tokens,
+    check_num_kv_splits,
+    check_out,
+    softmax_scale,
+)
 from . import cuda as cuda_binding
 from . import reference, triton_kernel
-from .launch_plan import MAX_KV_SPLITS
 
-MAX_DRAFT_TOKENS = reference.MAX_DRAFT_TOKENS
 HEAD_DIMS = (64, 128, 256)
 
 TREE_VERIFY = op_impls("tree_verify_attention")
@@ -86,6 +90,43 @@ def _(q, k_cache, v_cache, kv_indptr, kv_indices, qo_indptr, tree_mask, sm_scale
     return None
 
 
+@torch.library.custom_op("spec_kernels::tree_verify_attention_run",
+                         mutates_args=("out", "lse", "o_partial", "lse_partial"))
+def _tree_verify_run_op(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    kv_indptr: torch.Tensor,
+    kv_indices: torch.Tensor,
+    qo_indptr: Optional[torch.Tensor],
+    tree_mask: Optional[torch.Tensor],
+    sm_scale: float,
+    out: torch.Tensor,
+    lse: Optional[torch.Tensor],
+    o_partial: Optional[torch.Tensor],
+    lse_partial: Optional[torch.Tensor],
+    impl: str,
+    num_kv_splits: int,
+    min_chunk: int,
+    max_draft_tokens: int,
+) -> None:
+    """The planned launch (spec_kernels.tree_verify.plan.TreeVerifyPlan.run): the implementation,
+    the splits, their minimum share and the split buffers come from the plan."""
+    fn = TREE_VERIFY.impls[impl]
+    if impl == "reference":
+        fn(q, k_cache, v_cache, kv_indptr, kv_indices, qo_indptr, tree_mask, sm_scale, out, lse, num_kv_splits,
+           max_draft_tokens)
+        return
+    fn(q, k_cache, v_cache, kv_indptr, kv_indices, qo_indptr, tree_mask, sm_scale, out, lse, num_kv_splits,
+       max_draft_tokens, workspace=SplitWorkspace(num_kv_splits, min_chunk, o_partial, lse_partial))
+
+
+@_tree_verify_run_op.register_fake
+def _(q, k_cache, v_cache, kv_indptr, kv_indices, qo_indptr, tree_mask, sm_scale, out, lse, o_partial, lse_partial,
+      impl, num_kv_splits, min_chunk, max_draft_tokens):
+    return None
+
+
 @torch.library.custom_op("spec_kernels::tree_mask_from_parents", mutates_args=("tree_mask",))
 def _tree_mask_op(parents: torch.Tensor, qo_indptr: torch.Tensor, tree_mask: torch.Tensor, impl: str) -> None:
     _, fn = TREE_MASK.select(parents.device, impl or None)
@@ -123,55 +164,6 @@ def _check_kv(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, kv_
     if kv_indptr.numel() < 1:
         raise ValueError("kv_indptr must have B+1 >= 1 entries")
     return dev, like
-
-
-def _check_out(out: Optional[torch.Tensor], q: torch.Tensor, dv: int) -> torch.Tensor:
-    shape = (q.shape[0], q.shape[1], dv)
-    if out is None:
-        return q.new_empty(shape)
-    check_tensor(out, "out", dim=3, dtypes=(q.dtype,), device=q.device)
-    check_shape(out, "out", shape, "[T, Hq, Dv]: the rows and heads of q")
-    return out
-
-
-def _check_kv_values(kv_indptr: torch.Tensor, kv_indices: torch.Tensor, num_slots: int,
-                     draft_counts: list[int], cache_name: str = "k_cache") -> None:
-    """kv_indptr: >= 0, non-decreasing, within kv_indices, >= n_b slots per request; the slots
-    used in [0, num_slots)."""
-    kv_ptr = check_offset_indptr_values(kv_indptr, "kv_indptr", kv_indices.numel(), "kv_indices")
-    for b, n in enumerate(draft_counts):
-        kv_len = kv_ptr[b + 1] - kv_ptr[b]
-        if kv_len < n:
-            raise ValueError(f"kv_indptr is inconsistent with qo_indptr: request {b} has {n} draft "
-                             f"tokens but only {kv_len} KV slots (its drafts' slots must be the last n)")
-    check_index_range(kv_indices[kv_ptr[0]:kv_ptr[-1]], "kv_indices", num_slots, f"{cache_name}.shape[0]",
-                      f" in the window kv_indptr[0]:kv_indptr[-1] = {kv_ptr[0]}:{kv_ptr[-1]}")
-
-
-def _check_draft_values(qo_indptr: torch.Tensor, kv_indptr: torch.Tensor, kv_indices: torch.Tensor,
-                        tree_mask: torch.Tensor, num_tokens: int, num_slots: int,
-                        max_draft_tokens: Optional[int], cache_name: str = "k_cache") -> None:
-    """The value checks of a tree-verify call (CPU tensors, or CUDA in debug mode): qo_indptr
-    partitions the T rows, every n_b <= the draft bound, kv_indptr as in _check_kv_values, and
-    every mask word sets only bits of the draft itself and earlier drafts."""
-    qo = check_indptr_values(qo_indptr, "qo_indptr", num_tokens, "q.shape[0]")
-    counts = [qo[b + 1] - qo[b] for b in range(len(qo) - 1)]
-    bound = max_draft_tokens or MAX_DRAFT_TOKENS
-    if counts and max(counts) > bound:
-        b = max(range(len(counts)), key=counts.__getitem__)
-        what = "max_draft_tokens" if max_draft_tokens else "are supported"
-        raise ValueError(f"qo_indptr: request {b} has {counts[b]} draft tokens, at most {bound} {what}")
-    _check_kv_values(kv_indptr, kv_indices, num_slots, counts, cache_name)
-    check_tree_mask_values(tree_mask, qo)
-
-
-def _scale(sm_scale: Optional[float], head_dim: int) -> float:
-    if sm_scale is None:
-        return 1.0 / math.sqrt(head_dim)
-    sm_scale = float(sm_scale)
-    if not math.isfinite(sm_scale):
-        raise ValueError(f"sm_scale must be finite, got {sm_scale}")
-    return sm_scale
 
 
 # --------------------------------------------------------------------------- public API
@@ -213,7 +205,7 @@ def tree_verify_attention(
         out: optional [T, Hq, Dv] output buffer (q's dtype), written in place and returned.
         impl: "cuda", "triton" or "reference" to force one; default the fastest available.
         num_kv_splits: split every prefix into this many parts (flash-decoding); default from
-            the shapes and the GPU (the CTAs it holds at once, tree_verify.launch_plan), never
+            the shapes and the GPU (the CTAs it holds at once, spec_kernels.attention.plan), never
             from the tensors' values.
         max_draft_tokens: an upper bound of every n_b (1..64), e.g. the server's draft-token
             count; it only sizes the launch (default min(T, 64)). A request with more drafts
@@ -256,10 +248,9 @@ def tree_verify_attention(
     check_shape(qo_indptr, "qo_indptr", (B + 1,), "B+1, like kv_indptr")
     check_tensor(tree_mask, "tree_mask", dim=1, dtypes=(torch.int64,), device=dev, like=like)
     check_shape(tree_mask, "tree_mask", (T,), "one word per query row of q")
-    if max_draft_tokens is not None and not (1 <= int(max_draft_tokens) <= MAX_DRAFT_TOKENS):
-        raise ValueError(f"max_draft_tokens must be in [1, {MAX_DRAFT_TOKENS}], got {max_draft_tokens}")
+    check_max_draft_tokens(max_draft_tokens)
     if values_checkable(kv_indptr, qo_indptr, kv_indices, tree_mask):
-        _check_draft_values(qo_indptr, kv_indptr, kv_indices, tree_mask, T, k_cache.shape[0], max_draft_tokens)
+        check_draft_values(qo_indptr, kv_indptr, kv_indices, tree_mask, T, k_cache.shape[0], max_draft_tokens)
     return _run(q, k_cache, v_cache, kv_indptr, kv_indices, qo_indptr, tree_mask, sm_scale, return_lse,
                 out, impl, num_kv_splits, max_draft_tokens)
 
@@ -289,20 +280,19 @@ def decode_attention(
     if q.shape[0] != B:
         raise ValueError(f"q must have one row per request: q.shape[0]={q.shape[0]} but kv_indptr has B={B}")
     if values_checkable(kv_indptr, kv_indices):
-        _check_kv_values(kv_indptr, kv_indices, k_cache.shape[0], [0] * B)
+        check_kv_values(kv_indptr, kv_indices, k_cache.shape[0], [0] * B)
     return _run(q, k_cache, v_cache, kv_indptr, kv_indices, None, None, sm_scale, return_lse,
                 out, impl, num_kv_splits, 1)
 
 
 def _run(q, k_cache, v_cache, kv_indptr, kv_indices, qo_indptr, tree_mask, sm_scale, return_lse,
          out, impl, num_kv_splits, max_draft_tokens):
-    if num_kv_splits is not None and not (1 <= int(num_kv_splits) <= MAX_KV_SPLITS):
-        raise ValueError(f"num_kv_splits must be in [1, {MAX_KV_SPLITS}], got {num_kv_splits}")
-    out = _check_out(out, q, v_cache.shape[2])
+    check_num_kv_splits(num_kv_splits)
+    out = check_out(out, q, v_cache.shape[2])
     lse = q.new_empty(q.shape[:2], dtype=torch.float32) if return_lse else None
     torch.ops.spec_kernels.tree_verify_attention(
         q, k_cache, v_cache, kv_indptr, kv_indices, qo_indptr, tree_mask,
-        _scale(sm_scale, q.shape[2]), out, lse, impl or "", int(num_kv_splits or 0), int(max_draft_tokens or 0),
+        softmax_scale(sm_scale, q.shape[2]), out, lse, impl or "", int(num_kv_splits or 0), int(max_draft_tokens or 0),
     )
     return (out, lse) if return_lse else out
 

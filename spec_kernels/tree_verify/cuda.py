@@ -1,22 +1,50 @@
 """CUDA binding of tree-verify attention: sizes the launch, allocates the split buffers and calls
 torch.ops.spec_kernels_cuda.tree_verify_attention (csrc/tree_verify/tree_verify_attention.cu,
-host checks in csrc/ops.cpp)."""
+host checks in csrc/tree_verify/tree_verify_binding.cpp)."""
 from __future__ import annotations
 
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 
-from .._ops import cuda_ops
-from .launch_plan import MIN_SPLIT_KEYS, cuda_tree_verify_block_m, cuda_tree_verify_kernel, expected_rows, max_rows
-from .launch_plan import mean_prefix
-from .launch_plan import num_kv_splits as plan_splits
+from .._ops import cuda_ops, kernel_config, kernel_configs, tree_verify_launch_config
+from ..attention.plan import DeviceLimits, KernelResources, SplitWorkspace, expected_rows, max_rows, mean_prefix
+from ..attention.plan import num_kv_splits as plan_splits
+
+KERNEL = "tree_verify_kernel"
+
+
+def cuda_tree_verify_resources(head_dim: int, block_m: int = 64) -> KernelResources:
+    """Threads, registers and dynamic shared memory of the compiled configuration (head_dim,
+    block_m rows per CTA), as the extension reports them (TileConfig<D, rows> and the list of
+    configurations in csrc/include/spec_kernels/tree_verify_config.h). ValueError when there is
+    no such configuration, RuntimeError without the extension."""
+    c = kernel_config(KERNEL, head_dim, block_m)
+    return KernelResources(c.threads, c.regs, c.smem_bytes)
+
+
+def cuda_tree_verify_block_m(head_dim: int, rows: int, limits: Optional[DeviceLimits] = None) -> int:
+    """Rows per CTA of the configuration a CUDA launch of `rows` (max_rows) takes on a device with
+    `limits` (the launch's own choice, read from the extension): at D = 128, 128 for more than 64
+    rows and 32 for at most 16 rows where two such CTAs fit on an SM and two 64-row ones do not
+    (sm_120); else 64. Without `limits` never 32 (for counting CTAs 32 and 64 agree: <= 16 rows
+    are one CTA either way). 0 for a head dim without a configuration (supports() sends such
+    calls to Triton)."""
+    per_sm, reserved = (limits.smem_per_sm, limits.smem_reserved_per_cta) if limits is not None else (0, 0)
+    return tree_verify_launch_config(head_dim, max(rows, 1), per_sm, reserved).block_m
+
+
+def cuda_tree_verify_kernel(head_dim: int, rows: int) -> Callable[[DeviceLimits], KernelResources]:
+    """The resources of the configuration a launch of `rows` (max_rows) takes on a device."""
+    return lambda limits: cuda_tree_verify_resources(head_dim, cuda_tree_verify_block_m(head_dim, rows, limits))
 
 
 def supports(q, k_cache, v_cache, *_) -> Optional[str]:
     """None when the CUDA kernel handles these inputs, else why not (then Triton runs)."""
     if q.dtype not in (torch.float16, torch.bfloat16):
         return f"the CUDA kernel takes float16/bfloat16 (tensor cores), got {q.dtype}"
+    if not any(c.kernel == KERNEL and c.head_dim == q.shape[2] for c in kernel_configs()):
+        return f"the CUDA kernel has no configuration for head dim {q.shape[2]}"
     if v_cache.shape[2] != q.shape[2]:
         return f"the CUDA kernel needs the V head dim ({v_cache.shape[2]}) equal to Q's ({q.shape[2]})"
     if q.device.type == "cuda" and any(t.data_ptr() % 16 for t in (q, k_cache, v_cache)):
@@ -24,26 +52,33 @@ def supports(q, k_cache, v_cache, *_) -> Optional[str]:
     return None
 
 
+def auto_splits(device: torch.device, num_tokens: int, num_requests: int, num_q_heads: int, num_kv_heads: int,
+                head_dim: int, num_indices: int, decode: bool, max_draft_tokens: int = 0) -> int:
+    """KV splits the CUDA launch plans for this batch layout (never from tensor values): for the
+    rows that hold work in an even batch, on the configuration the launch takes."""
+    group = num_q_heads // num_kv_heads
+    rows = max_rows(num_tokens, group, decode, max_draft_tokens)
+    work = expected_rows(num_tokens, num_requests, group, decode, max_draft_tokens)
+    block_m = cuda_tree_verify_block_m(head_dim, rows)  # rows per CTA: 32 (decode) counts as 64
+    return plan_splits(device, num_requests, num_kv_heads, work, block_m, cuda_tree_verify_kernel(head_dim, rows),
+                       mean_prefix(num_indices, num_requests, work, group))
+
+
 def tree_verify_attention(q, k_cache, v_cache, kv_indptr, kv_indices, qo_indptr, tree_mask, sm_scale,
-                          out, lse, num_kv_splits=0, max_draft_tokens=0) -> None:
+                          out, lse, num_kv_splits=0, max_draft_tokens=0, workspace=None) -> None:
     T, Hq, D = q.shape
     Hkv = k_cache.shape[1]
     B = kv_indptr.numel() - 1
     if T == 0 or B == 0:  # nothing to compute (every n_b = 0, or no request); a 0-row grid is no launch
         return
-    group, decode = Hq // Hkv, qo_indptr is None
-    rows = max_rows(T, group, decode, max_draft_tokens)  # sizes the grid: every valid n_b fits
-    splits = num_kv_splits
-    if not splits:  # planned for the rows that hold work in an even batch
-        work = expected_rows(T, B, group, decode, max_draft_tokens)
-        block_m = cuda_tree_verify_block_m(D, rows)  # rows per CTA: 32 (decode) counts as 64
-        splits = plan_splits(q.device, B, Hkv, work, block_m, cuda_tree_verify_kernel(D, rows),
-                             mean_prefix(kv_indices.numel(), B, work, group))
-    o_partial = lse_partial = None
-    if splits > 1:
-        o_partial = torch.empty((splits, T, Hq, D), dtype=torch.float32, device=q.device)
-        lse_partial = torch.empty((splits, T, Hq), dtype=torch.float32, device=q.device)
-    # A forced split count divides the prefix evenly; automatic splits keep >= 256 keys each.
-    min_chunk = 0 if num_kv_splits else MIN_SPLIT_KEYS
+    decode = qo_indptr is None
+    rows = max_rows(T, Hq // Hkv, decode, max_draft_tokens)  # sizes the grid: every valid n_b fits
+    if workspace is None:
+        forced = bool(num_kv_splits)
+        splits = num_kv_splits or auto_splits(q.device, T, B, Hq, Hkv, D, kv_indices.numel(), decode,
+                                              max_draft_tokens)
+        # A forced split count divides the prefix evenly; automatic splits keep >= 256 keys each.
+        workspace = SplitWorkspace.make(splits, forced, T, Hq, D, q.device)
     cuda_ops().tree_verify_attention(q, k_cache, v_cache, kv_indptr, kv_indices, qo_indptr, tree_mask,
-                                     out, lse, o_partial, lse_partial, sm_scale, splits, min_chunk, rows)
+                                     out, lse, workspace.o_partial, workspace.lse_partial, sm_scale,
+                                     workspace.splits, workspace.min_chunk, rows)

@@ -10,7 +10,8 @@ from typing import Optional
 
 import torch
 
-MAX_DRAFT_TOKENS = 64  # one 64-bit mask word per draft token
+from .._limits import MAX_DRAFT_TOKENS  # one 64-bit mask word per draft token
+
 
 
 def _clamp(x: int, lo: int, hi: int) -> int:

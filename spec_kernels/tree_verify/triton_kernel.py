@@ -25,36 +25,10 @@ from triton.runtime.errors import OutOfResources
 
 from .._ops import triton_interpreting
 from .._autotune import LazyAutotune
-from .launch_plan import MIN_SPLIT_KEYS, expected_rows, mean_prefix, triton_tree_verify_resources
-from .launch_plan import max_rows as plan_max_rows
-from .launch_plan import num_kv_splits as plan_splits
-
-LOG2E = 1.4426950408889634
-
-
-@triton.jit
-def draft_bits(i):
-    """int64 words with bits 0..i set (all 64 at i >= 63): the part of draft i's mask word that
-    counts (itself and earlier drafts; bits of later drafts are ignored)."""
-    shift = (tl.minimum(i, 62) + 1).to(tl.int64)
-    return tl.where(i >= 63, -1, (tl.full(i.shape, 1, tl.int64) << shift) - 1)
-
-
-@triton.jit
-def finite_or_nan(x):
-    """A logit that is +-inf (inf in q or K) becomes NaN, so that -inf never reads as "masked"
-    and the row's output and lse come out NaN."""
-    return tl.where(tl.abs(x) == float("inf"), float("nan"), x)
-
-
-@triton.jit
-def indptr_range(INDPTR, b, limit):
-    """[lo, hi) of entry b of an indptr, cut to [0, limit): invalid (unchecked) values never
-    reach outside (spec_kernels._checks)."""
-    lo = tl.minimum(tl.maximum(tl.load(INDPTR + b).to(tl.int64), 0), limit)
-    hi = tl.minimum(tl.maximum(tl.load(INDPTR + b + 1).to(tl.int64), lo), limit)
-    return lo, hi
-
+from ..attention.plan import MIN_SPLIT_KEYS, KernelResources, expected_rows, mean_prefix, triton_resources
+from ..attention.plan import max_rows as plan_max_rows
+from ..attention.plan import num_kv_splits as plan_splits
+from ..attention.triton_common import LOG2E, draft_bits, finite_or_nan, indptr_range, merge_splits, split_destinations
 
 @triton.jit
 def _tree_verify_fwd_kernel(
@@ -196,41 +170,25 @@ def _tree_verify_fwd_kernel(
                 tl.store(LSE + token * stride_lt + head, lse2 * 0.6931471805599453, mask=row_ok)
 
 
-@triton.jit
-def _merge_splits_kernel(
-    O_PART, LSE_PART, O, LSE,
-    num_heads, num_splits,
-    stride_ps, stride_pt, stride_ph, stride_ls, stride_lt,
-    stride_ot, stride_oh, stride_lse_t,
-    DV: tl.constexpr,
-    BLOCK_S: tl.constexpr,
-    WRITE_LSE: tl.constexpr,
-):
-    """o = sum_s exp2(lse_s - lse) * o_s, lse = log2 sum_s exp2(lse_s); fixed order, no atomics.
-    A NaN lse_s (a NaN logit in that split) makes the total, and so the row, NaN."""
-    pid = tl.program_id(0)
-    token = (pid // num_heads).to(tl.int64)
-    head = pid % num_heads
-    offs_s = tl.arange(0, BLOCK_S)
-    offs_dv = tl.arange(0, DV)
-    s_ok = offs_s < num_splits
-    lse_s = tl.load(LSE_PART + offs_s * stride_ls + token * stride_lt + head, mask=s_ok, other=float("-inf"))
-    m = tl.max(lse_s, 0)
-    m_safe = tl.where(m == float("-inf"), 0.0, m)
-    w = tl.math.exp2(lse_s - m_safe)  # 0 for empty splits
-    total = tl.sum(w, 0)
-    o_s = tl.load(O_PART + offs_s[:, None] * stride_ps + token * stride_pt + head * stride_ph + offs_dv[None, :],
-                  mask=s_ok[:, None], other=0.0)
-    seen = total != 0.0
-    o = tl.sum(o_s * w[:, None], 0) / tl.where(seen, total, 1.0)
-    tl.store(O + token * stride_ot + head * stride_oh + offs_dv, o.to(O.dtype.element_ty))
-    if WRITE_LSE:
-        lse = tl.where(seen, m_safe + tl.math.log2(tl.where(seen, total, 1.0)), float("-inf"))
-        tl.store(LSE + token * stride_lse_t + head, lse * 0.6931471805599453)
-
-
 # --------------------------------------------------------------------------- launch configuration
-def _default_block_m(max_rows: int, head_dim: int) -> int:
+# The resources the split planner assumes (spec_kernels.attention.plan), from `python tools/triton_compile_report.py --ci --kernels tree_verify,mla`
+# (its "smem" and "regs" columns; the larger of sm_90 and sm_120). Tree verify, bf16, D = 128,
+# BLOCK_M 32, 4 warps: 188 registers, 44.5 KB; MLA, BLOCK_M 32, 8 warps: 177 registers, 55.1 KB.
+# Both shared memory figures are the Q tile plus ONE K and V tile plus a few KB of scratch (the
+# compiler keeps the other pipeline stage in registers), which triton_tree_verify_smem models.
+# 8-warp tree-verify tiles (BLOCK_M >= 64, head dim 256) are taken at the 255-register ceiling.
+# The autotuner may pick another tile than the one planned for; this sizes the common case.
+TRITON_TREE_VERIFY_REGS = {4: 188, 8: 255}  # num_warps -> registers
+TRITON_SCRATCH_SMEM = 4608  # bytes beyond the tiles (44.5 KB - 8 KB Q - 32 KB K and V)
+
+
+def triton_tree_verify_resources(block_m: int, block_n: int, num_warps: int, head_dim: int, v_head_dim: int,
+                                 elt: int) -> KernelResources:
+    smem = (block_m * head_dim + block_n * (head_dim + v_head_dim)) * elt + TRITON_SCRATCH_SMEM
+    return triton_resources(num_warps, smem, TRITON_TREE_VERIFY_REGS.get(num_warps, 255))
+
+
+def default_block_m(max_rows: int, head_dim: int) -> int:
     cap = 64 if head_dim >= 256 else 128
     return max(16, min(cap, triton.next_power_of_2(max_rows)))
 
@@ -274,9 +232,9 @@ def _fixed_warps(block_m: int, head_dim: int, ieee_dot: bool) -> int:
     return 8 if block_m >= 64 or head_dim >= 256 or ieee_dot else 4
 
 
-def _plan_resources(block_m: int, D: int, Dv: int, elt: int, ieee_dot: bool):
-    """The split planner's picture of one program (launch_plan.resident_ctas_per_sm): the fixed
-    tile's warps, registers and shared memory (launch_plan.triton_tree_verify_resources)."""
+def planned_resources(block_m: int, D: int, Dv: int, elt: int, ieee_dot: bool):
+    """The split planner's picture of one program (attention.plan.resident_ctas_per_sm): the fixed
+    tile's warps, registers and shared memory (triton_tree_verify_resources)."""
     bn = _fixed_tiles(max(D, Dv), ieee_dot)[0][0]
     return triton_tree_verify_resources(block_m, bn, _fixed_warps(block_m, max(D, Dv), ieee_dot), D, Dv, elt)
 
@@ -287,6 +245,21 @@ _kernel_for_launch = LazyAutotune(
     key=["max_rows", "GROUP", "D", "DV", "IS_DECODE", "PARTIAL", "BLOCK_M"],
     prune=_prune_configs,
 )
+
+
+def auto_splits(device: torch.device, num_tokens: int, num_requests: int, num_q_heads: int, num_kv_heads: int,
+                head_dim: int, v_head_dim: int, kv_dtype: torch.dtype, num_indices: int, decode: bool,
+                max_draft_tokens: int = 0, block_m: Optional[int] = None) -> int:
+    """KV splits the Triton launch plans for this batch layout (never from tensor values):
+    planned for the rows that hold work in an even batch (the grid keeps the max_rows bound)."""
+    group = num_q_heads // num_kv_heads
+    block_m = block_m or default_block_m(plan_max_rows(num_tokens, group, decode, max_draft_tokens), max(head_dim, v_head_dim))
+    rows = expected_rows(num_tokens, num_requests, group, decode, max_draft_tokens)
+    ieee = kv_dtype == torch.float32
+    return plan_splits(device, num_requests, num_kv_heads, rows, block_m,
+                       planned_resources(block_m, head_dim, v_head_dim, torch.empty((), dtype=kv_dtype).element_size(),
+                                         ieee),
+                       mean_prefix(num_indices, num_requests, rows, group))
 
 
 def tree_verify_attention(
@@ -304,10 +277,12 @@ def tree_verify_attention(
     max_draft_tokens: int = 0,
     block_m: Optional[int] = None,
     block_n: Optional[int] = None,
+    workspace=None,
 ) -> None:
     """Launch the Triton kernel(s). Arguments as in spec_kernels.tree_verify_attention (already
     checked); num_kv_splits=0 picks from the device, max_draft_tokens=0 assumes up to 64 drafts;
-    block_m/block_n override the tile (tests)."""
+    block_m/block_n override the tile (tests); a planned SplitWorkspace gives the splits, their
+    minimum share and the partial buffers."""
     T, Hq, D = q.shape
     Hkv, Dv = k_cache.shape[1], v_cache.shape[2]
     B = kv_indptr.numel() - 1
@@ -316,16 +291,16 @@ def tree_verify_attention(
     group = Hq // Hkv
     is_decode = qo_indptr is None
     max_rows = plan_max_rows(T, group, is_decode, max_draft_tokens)
-    block_m = block_m or _default_block_m(max_rows, max(D, Dv))
+    block_m = block_m or default_block_m(max_rows, max(D, Dv))
     ieee = q.dtype == torch.float32
-    if not num_kv_splits:
-        # Planned for the rows that hold work in an even batch (the grid keeps the max_rows bound).
-        rows = expected_rows(T, B, group, is_decode, max_draft_tokens)
-        splits = plan_splits(q.device, B, Hkv, rows, block_m,
-                             _plan_resources(block_m, D, Dv, k_cache.element_size(), ieee),
-                             mean_prefix(kv_indices.numel(), B, rows, group))
+    if workspace is not None:
+        splits, min_chunk = workspace.splits, workspace.min_chunk
+    elif not num_kv_splits:
+        splits = auto_splits(q.device, T, B, Hq, Hkv, D, Dv, k_cache.dtype, kv_indices.numel(), is_decode,
+                             max_draft_tokens, block_m)
+        min_chunk = MIN_SPLIT_KEYS  # automatic splits keep >= 256 keys each
     else:
-        splits = num_kv_splits
+        splits, min_chunk = num_kv_splits, 0  # a forced split count divides the prefix evenly
     kernel, fixed = _kernel_for_launch()
     compute_f32 = triton_interpreting() or q.dtype == torch.float32
     # A placeholder for absent optional pointers (never dereferenced: constexpr branches).
@@ -333,15 +308,7 @@ def tree_verify_attention(
     mask_ptr = tree_mask if tree_mask is not None else kv_indptr
 
     partial = splits > 1
-    if partial:
-        o_dst = torch.empty((splits, T, Hq, Dv), dtype=torch.float32, device=q.device)
-        lse_dst = torch.empty((splits, T, Hq), dtype=torch.float32, device=q.device)
-        strides_o = (o_dst.stride(1), o_dst.stride(2), o_dst.stride(0))
-        strides_l = (lse_dst.stride(1), lse_dst.stride(0))
-    else:
-        o_dst, lse_dst = out, (lse if lse is not None else out)
-        strides_o = (out.stride(0), out.stride(1), 0)
-        strides_l = (lse.stride(0) if lse is not None else 0, 0)
+    o_dst, lse_dst, strides_o, strides_l = split_destinations(splits, out, lse, workspace)
 
     args = (
         q, k_cache, v_cache, kv_indptr, kv_indices, qo_ptr, mask_ptr, o_dst, lse_dst,
@@ -354,8 +321,7 @@ def tree_verify_attention(
     meta = dict(
         GROUP=group, D=D, DV=Dv, IS_DECODE=is_decode, WRITE_LSE=lse is not None, PARTIAL=partial,
         COMPUTE_F32=compute_f32, IEEE_DOT=ieee,
-        # A forced split count divides the prefix evenly; the automatic one keeps splits >= 256 keys.
-        MIN_CHUNK=0 if num_kv_splits else MIN_SPLIT_KEYS,
+        MIN_CHUNK=min_chunk,
         BLOCK_M=block_m,
     )
 
@@ -383,10 +349,4 @@ def tree_verify_attention(
         kernel[grid](*args, **meta)
 
     if partial:
-        _merge_splits_kernel[(T * Hq,)](
-            o_dst, lse_dst, out, lse if lse is not None else out,
-            Hq, splits,
-            o_dst.stride(0), o_dst.stride(1), o_dst.stride(2), lse_dst.stride(0), lse_dst.stride(1),
-            out.stride(0), out.stride(1), lse.stride(0) if lse is not None else 0,
-            DV=Dv, BLOCK_S=triton.next_power_of_2(splits), WRITE_LSE=lse is not None,
-        )
+        merge_splits(o_dst, lse_dst, out, lse)

@@ -6,7 +6,7 @@ hidden as spec_kernels/comm/ipc.py sizes it), initialises it as init_buffer() do
 the signals, then the compiled fill_kernel writing num_blocks into the signals and the -0.0
 sentinel pairs over the push slots), and gives every rank the same list of buffer addresses (the peers' "IPC mappings": the
 simulated GPUs share one global memory). `SimRanks.call()` is one collective call: per rank it
-fills the kernel's `Params` struct exactly as launch() does from the `Call` that csrc/ops.cpp
+fills the kernel's `Params` struct exactly as launch() does from the `Call` that csrc/allreduce/allreduce_binding.cpp
 builds, picks the kernel instance launch_typed() picks (element type, fp8 out, ITEMS from
 row_launch), and runs the launches of all participating ranks together in ONE Machine.run, so
 the flag and sentinel spin-waits of one rank see the other ranks' stores. It returns each
@@ -26,62 +26,54 @@ from typing import Optional, Sequence
 import numpy as np
 import torch
 
+from spec_kernels.comm import ipc
 from tools.ptxsim.build import cuda_ptx
 from tools.ptxsim.executor import Launch, Machine
 from tools.ptxsim.launch import module_of, pack_params
 
+from tests.ptx.shipped import header_struct, source_constant
+
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 ARCH = os.environ.get("PTXSIM_ARCH", "sm_120a")
-KERNEL_FILE = os.path.join(REPO, "csrc", "allreduce", "fused_allreduce.cu")
+_SOURCE = "allreduce/fused_allreduce.cu"
+KERNEL_FILE = os.path.join(REPO, "csrc", _SOURCE)
 
-# csrc/include/spec_kernels/norm_allreduce.h and csrc/allreduce/fused_allreduce.cu
-K_MAX_RANKS = 8
-K_MAX_BLOCKS = 64
-K_PUSH_SLOTS = 3
-K_ALIGN = 256
-ALGORITHMS = {"oneshot_push": 0, "oneshot_pull": 1, "twoshot": 2, "oneshot_push_1block": 3}
+# From the shipped code (checked against the extension by tests/test_limits.py), then the
+# kernel file's own layout constants (csrc/allreduce/fused_allreduce.cu).
+K_MAX_RANKS = ipc.MAX_RANKS
+K_MAX_BLOCKS = ipc.MAX_BLOCKS
+K_PUSH_SLOTS = source_constant("kPushSlots", _SOURCE)
+K_ALIGN = source_constant("kAlign", _SOURCE)
+ALGORITHMS = ipc.ALGORITHM_CODES
 _KERNEL = {0: "19oneshot_push_kernel", 1: "19oneshot_pull_kernel", 2: "14twoshot_kernel", 3: "19oneshot_push_kernel"}
 PUSH_ALGORITHMS = (0, 3)
-K_OK, K_TIMEOUT, K_SIZE_MISMATCH, K_BLOCKS_MISMATCH = 0, 1, 2, 3
-SENTINEL_PAIR = 0x80008000
-PUSH_CAPACITY = 1 << 20  # spec_kernels/comm/ipc.py
-
-P = ctypes.c_uint64
-_u64 = ctypes.c_uint64
+K_OK, K_TIMEOUT, K_SIZE_MISMATCH, K_BLOCKS_MISMATCH = (ipc.ERROR_OK, ipc.ERROR_TIMEOUT, ipc.ERROR_SIZE_MISMATCH,
+                                                       ipc.ERROR_BLOCKS_MISMATCH)
+SENTINEL_PAIR = source_constant("kSentinelPair", _SOURCE)
+PUSH_CAPACITY = ipc.PUSH_CAPACITY
 
 
-class Layout(ctypes.Structure):
-    """struct Layout (fused_allreduce.cu)."""
-    _fields_ = [("staging", _u64 * 2), ("gather", _u64 * 2), ("push", _u64 * K_PUSH_SLOTS), ("total", _u64)]
+
+# The structs as the kernel file and norm_allreduce.h declare them (parsed; pack_params refuses a
+# struct whose size differs from the kernel's .param).
+Layout = header_struct("Layout", _SOURCE)
+Params = header_struct("Params", _SOURCE)
+Signals = header_struct("Signals", _SOURCE)
 
 
-class Params(ctypes.Structure):
-    """struct Params (fused_allreduce.cu): what every kernel takes by value."""
-    _fields_ = [("bases", P * K_MAX_RANKS), ("layout", Layout), ("push_stride", _u64),
-                ("x", P), ("residual", P), ("weight", P), ("out", P), ("residual_out", P), ("host_error", P),
-                ("rows", ctypes.c_int), ("hidden", ctypes.c_int), ("world", ctypes.c_int), ("rank", ctypes.c_int),
-                ("algorithm", ctypes.c_int), ("header", ctypes.c_uint32), ("fused", ctypes.c_bool),
-                ("eps", ctypes.c_float), ("inv_scale", ctypes.c_float), ("timeout_ns", ctypes.c_uint64)]
-
-
-class ErrorWord(ctypes.Structure):
+class ErrorWord(header_struct("ErrorWord")):
     """struct ErrorWord (norm_allreduce.h): what a failed call leaves in host-mapped memory."""
-    _fields_ = [("code", ctypes.c_int32), ("seq", ctypes.c_uint32), ("rank", ctypes.c_int32),
-                ("peer", ctypes.c_int32), ("block", ctypes.c_int32), ("algorithm", ctypes.c_int32),
-                ("mine", ctypes.c_uint32), ("theirs", ctypes.c_uint32)]
 
     def as_dict(self):
         return {name: getattr(self, name) for name, _ in self._fields_}
 
 
-# struct Signals: flags[2][2][kMaxBlocks][kMaxRanks], push_headers[3][kMaxBlocks][kMaxRanks] (u64),
-# BlockState state[kMaxBlocks] (2 x u32), ErrorWord first_error, uint32 num_blocks (size rounded
-# up to the u64 alignment).
-STATE_OFFSET = (2 * 2 * K_MAX_BLOCKS * K_MAX_RANKS + K_PUSH_SLOTS * K_MAX_BLOCKS * K_MAX_RANKS) * 8
-STATE_WORDS = 2
-FIRST_ERROR_OFFSET = STATE_OFFSET + K_MAX_BLOCKS * STATE_WORDS * 4
-NUM_BLOCKS_OFFSET = FIRST_ERROR_OFFSET + ctypes.sizeof(ErrorWord)
-SIGNALS_BYTES = (NUM_BLOCKS_OFFSET + 4 + 7) // 8 * 8
+# struct Signals: the offsets of its fields in a rank's buffer.
+STATE_OFFSET = Signals.state.offset
+STATE_WORDS = ctypes.sizeof(header_struct("BlockState", _SOURCE)) // 4  # uint32 words per block
+FIRST_ERROR_OFFSET = Signals.first_error.offset
+NUM_BLOCKS_OFFSET = Signals.num_blocks.offset
+SIGNALS_BYTES = ctypes.sizeof(Signals)
 
 
 def message_header(op: int, blocks: int, nbytes: int) -> int:
@@ -237,8 +229,8 @@ class SimRanks:
 
     # ---------------------------------------------------------------- one call
     def params(self, algorithm: int, rank: int, inp: RankInput, ptrs: dict, timeout_ns: int, blocks: int) -> bytes:
-        """What launch() makes of the Call csrc/ops.cpp fills for this rank; refuses what launch()
-        and ops.cpp refuse (so a test cannot feed the kernel a call the host would not make)."""
+        """What launch() makes of the Call csrc/allreduce/allreduce_binding.cpp fills for this rank; refuses what launch()
+        and the binding refuse (so a test cannot feed the kernel a call the host would not make)."""
         x = inp.x
         rows, hidden = x.shape
         fused = inp.residual is not None

@@ -1,7 +1,7 @@
 """The CUDA extension's host side, re-expressed over the PTX interpreter.
 
 `PtxCudaOps` has the methods of torch.ops.spec_kernels_cuda that the Python bindings call
-(spec_kernels/*/cuda.py, api.py). Each method does what csrc/ops.cpp and the kernel file's
+(spec_kernels/*/cuda.py, api.py). Each method does what the binding (csrc/<family>/*_binding.cpp) and the kernel file's
 launch() do (fill the parameter struct from the tensors, size grid / block / dynamic shared
 memory the same way) and runs the sm_120a PTX compiled from the checkout's .cu files through
 tools/ptxsim, then copies the written buffers back into the CPU tensors. Patching
@@ -20,38 +20,24 @@ from tools.ptxsim.build import cuda_ptx, cuda_ptx_from_source
 from tools.ptxsim.executor import Launch, Machine
 from tools.ptxsim.launch import module_of, pack_params
 
+from spec_kernels import _ops
+from spec_kernels.attention.triton_common import LOG2E
+from tests.ptx.shipped import device_smem, entry_of, header_struct, short_name, source_constant
+
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 ARCH = os.environ.get("PTXSIM_ARCH", "sm_120a")
 
 P = ctypes.c_uint64  # device pointers
 
 
-class TreeVerifyParams(ctypes.Structure):
-    """csrc/include/spec_kernels/tree_verify.h (field order and types must match)."""
-    _fields_ = [("q", P), ("k_cache", P), ("v_cache", P), ("kv_indptr", P), ("kv_indices", P),
-                ("kv_indices_int64", ctypes.c_bool), ("qo_indptr", P), ("tree_mask", P), ("out", P), ("lse", P),
-                ("o_partial", P), ("lse_partial", P),
-                ("q_stride_t", ctypes.c_int64), ("q_stride_h", ctypes.c_int64),
-                ("k_stride_s", ctypes.c_int64), ("k_stride_h", ctypes.c_int64),
-                ("v_stride_s", ctypes.c_int64), ("v_stride_h", ctypes.c_int64),
-                ("o_stride_t", ctypes.c_int64), ("o_stride_h", ctypes.c_int64),
-                ("num_requests", ctypes.c_int), ("num_tokens", ctypes.c_int), ("num_q_heads", ctypes.c_int),
-                ("num_kv_heads", ctypes.c_int), ("head_dim", ctypes.c_int),
-                ("num_slots", ctypes.c_int64), ("num_indices", ctypes.c_int64),
-                ("max_rows", ctypes.c_int), ("num_splits", ctypes.c_int), ("min_chunk", ctypes.c_int),
-                ("sm_scale_log2", ctypes.c_float)]
-
-
-class MlaParams(ctypes.Structure):
-    """csrc/include/spec_kernels/mla.h."""
-    _fields_ = [("q", P), ("kv_cache", P), ("kv_indptr", P), ("kv_indices", P), ("kv_indices_int64", ctypes.c_bool),
-                ("qo_indptr", P), ("tree_mask", P), ("out", P), ("lse", P), ("o_partial", P), ("lse_partial", P),
-                ("q_stride_t", ctypes.c_int64), ("q_stride_h", ctypes.c_int64), ("kv_stride_s", ctypes.c_int64),
-                ("o_stride_t", ctypes.c_int64), ("o_stride_h", ctypes.c_int64),
-                ("num_slots", ctypes.c_int64), ("num_indices", ctypes.c_int64),
-                ("num_requests", ctypes.c_int), ("num_tokens", ctypes.c_int), ("num_heads", ctypes.c_int),
-                ("max_rows", ctypes.c_int), ("num_splits", ctypes.c_int), ("min_chunk", ctypes.c_int),
-                ("sm_scale_log2", ctypes.c_float)]
+# The parameter structs, laid out from the headers (tests/ptx/test_shipped.py checks their sizes
+# against the built extension's sizeof).
+TreeVerifyParams = header_struct("TreeVerifyParams")
+MlaParams = header_struct("MlaParams")
+IndexTensor = header_struct("IndexTensor")
+KvSlotBatch = header_struct("KvSlotBatch")
+KvCommitArgs = header_struct("KvCommitArgs")
+_DTYPE_NAMES = {torch.float16: "__half", torch.bfloat16: "__nv_bfloat16", torch.float32: "float"}
 
 
 def _np(t: torch.Tensor) -> np.ndarray:
@@ -117,7 +103,7 @@ class PtxCudaOps:
     def _run(self, m, mod, entry, grid, block, args, smem=0):
         e = mod.entry(entry)
         stats = m.run(Launch(e, grid, block, pack_params(e, args), smem, name=entry), module=mod)[0]
-        self.launches.append((entry, grid, block, smem, stats))
+        self.launches.append((short_name(entry) if entry.startswith("_Z") else entry, grid, block, smem, stats))
         return stats
 
     # ------------------------------------------------------------------ tree verify attention
@@ -145,29 +131,20 @@ class PtxCudaOps:
         p.num_requests, p.num_tokens, p.num_q_heads, p.num_kv_heads, p.head_dim = B, T, Hq, Hkv, D
         p.num_slots, p.num_indices = k_cache.shape[0], kv_indices.numel()
         p.max_rows, p.num_splits, p.min_chunk = max_rows, num_splits, min_chunk
-        p.sm_scale_log2 = sm_scale * 1.4426950408889634
+        p.sm_scale_log2 = sm_scale * LOG2E
         raw = bytes(p)
         mod = self._module("tree_verify/tree_verify_attention.cu")
-        tname = "13__nv_bfloat16" if q.dtype == torch.bfloat16 else "6__half"
-        # launch(): at D = 128, the 128-row configuration (8 warps) for max_rows > 64, and the small
-        # one (32 rows, 32-key stages) for max_rows <= 16 when two of it fit on an SM where two
-        # 64-row ones do not (sm_120: 100 KB per SM, 1 KB of it reserved per CTA).
-        # TileConfig<D, block_m>::kSmemBytes: [Q tile, D > 128 only] + 3 (D = 128) or 2 stages x
-        # (K + V) of stage_keys rows + the slot ids of 4 tiles
-        per_sm = 100 * 1024 if "120" in self.arch else 228 * 1024
-        large = (2 * 3 * 64 * 128) * 2 + 4 * 64 * 8 + 1024
-        small_cfg = (2 * 3 * 32 * 128) * 2 + 4 * 32 * 8 + 1024
-        small = D == 128 and max_rows <= 16 and 2 * large > per_sm and 2 * small_cfg <= per_sm
-        block_m = 128 if D == 128 and max_rows > 64 else 32 if small else 64
-        stage_keys = 32 if small or D >= 256 else 64
-        stages = 3 if D == 128 else 2
-        q_elems = 0 if D <= 128 else 64 * D
-        smem = (q_elems + 2 * stages * stage_keys * D) * 2 + 4 * stage_keys * 8
-        m_blocks = -(-max_rows // block_m)
-        self._run(m, mod, f"tree_verify_kernelI{tname}Li{D}ELi{block_m}E", (B * Hkv * m_blocks, num_splits),
-                  (256 if block_m == 128 else 128,), [raw], smem)
+        tname = _DTYPE_NAMES[q.dtype]
+        # launch(): the configuration tree_verify_launch_shape picks for max_rows on the GPU the
+        # arch stands for (the extension's own host code), its grid of (request, KV head, row
+        # block) x splits
+        shape = _ops.tree_verify_launch_config(D, max_rows, *device_smem(self.arch))
+        m_blocks = -(-max_rows // shape.block_m)
+        self._run(m, mod, entry_of(mod, "tree_verify_kernel", tname, shape.template_args),
+                  (B * Hkv * m_blocks, num_splits), (shape.threads,), [raw], shape.smem_bytes)
         if num_splits > 1:
-            self._run(m, mod, f"merge_splits_kernelI{tname}E", (T * Hq,), (64,), [raw])
+            self._run(m, mod, entry_of(mod, "merge_splits_kernel", tname), (T * Hq,),
+                      (_ops.compiled_constants()["kTreeVerifyMergeThreads"],), [raw])
         buf.copy_back()
 
     # ------------------------------------------------------------------ tree mask
@@ -208,27 +185,19 @@ class PtxCudaOps:
         p.num_slots, p.num_indices = kv_cache.shape[0], kv_indices.numel()
         p.num_requests, p.num_tokens, p.num_heads = B, T, H
         p.max_rows, p.num_splits, p.min_chunk = max_rows, num_splits, min_chunk
-        p.sm_scale_log2 = sm_scale * 1.4426950408889634
+        p.sm_scale_log2 = sm_scale * LOG2E
         raw = bytes(p)
         mod = self._module("mla/mla_tree_verify_attention.cu")
-        tname = "13__nv_bfloat16" if q.dtype == torch.bfloat16 else "6__half"
-        # launch_for_rows(): mla_block_m(max_rows) = 16 (1 m tile), 32 (2) or 64 (4); launch():
-        # MlaTile<kMTiles>: 4 warps (8 for 4 m tiles), block_n = 8 x warps / m tiles keys per tile,
-        # 3 KV stages for 2 m tiles, else 2; the Q tile holds 576 columns (64 rows: the last 448, the
-        # first 128 are in registers); kSmemBytes = (block_m * q_cols + stages * block_n * 576) * 2
-        # + P (block_m rows of block_n * 2 + 16 bytes) + row maxima (block_n / 8 x block_m floats)
-        # + 4 stages of block_n slot ids x 8 bytes
-        m_tiles = 1 if max_rows <= 16 else 2 if max_rows <= 32 else 4
-        warps = 8 if m_tiles == 4 else 4
-        block_m, block_n, stages = 16 * m_tiles, 8 * warps // m_tiles, 3 if m_tiles == 2 else 2
-        q_cols = 448 if m_tiles == 4 else 576
-        smem = ((block_m * q_cols + stages * block_n * 576) * 2 + block_m * (block_n * 2 + 16)
-                + block_n // 8 * block_m * 4 + 4 * block_n * 8)
-        m_blocks = -(-max_rows // block_m)
-        self._run(m, mod, f"mla_tree_verify_kernelI{tname}Li{m_tiles}E", (B * m_blocks, num_splits),
-                  (warps * 32,), [raw], smem)
+        tname = _DTYPE_NAMES[q.dtype]
+        # launch_for_rows(): the configuration mla_launch_shape picks for max_rows, its grid of
+        # (request, row block) x splits
+        shape = _ops.mla_launch_config(max_rows)
+        m_blocks = -(-max_rows // shape.block_m)
+        self._run(m, mod, entry_of(mod, "mla_tree_verify_kernel", tname, shape.template_args),
+                  (B * m_blocks, num_splits), (shape.threads,), [raw], shape.smem_bytes)
         if num_splits > 1:
-            self._run(m, mod, f"mla_merge_splits_kernelI{tname}E", (T * H,), (128,), [raw])
+            self._run(m, mod, entry_of(mod, "mla_merge_splits_kernel", tname), (T * H,),
+                      (_ops.compiled_constants()["kMlaMergeThreads"],), [raw])
         buf.copy_back()
 
     # ------------------------------------------------------------------ fused add + RMSNorm
@@ -237,14 +206,13 @@ class PtxCudaOps:
         if rows == 0:  # launch_fused_add_rmsnorm(): no launch
             return
         fp8 = out_scale is not None
-        # ops.cpp inv_out_scale(): 1 / out_scale in fp32, 1 without fp8 output (launch_out passes 1.f)
+        # norm_checks.h inv_out_scale(): 1 / out_scale in fp32, 1 without fp8 output (launch_out passes 1.f)
         inv_scale = float(np.float32(1.0 / out_scale)) if fp8 else 1.0
         m = self._machine()
         buf = _Buffers(m)
         px, pr, pw, po, pro = (buf.ptr(t) for t in (x, residual, weight, out, residual_out))
-        tnames = {torch.float16: "6__half", torch.bfloat16: "13__nv_bfloat16", torch.float32: "f"}
-        tname = tnames[x.dtype]
-        oname = "13__nv_fp8_e4m3" if fp8 else ("f" if x.dtype == torch.float32 else "S2_")
+        tname = _DTYPE_NAMES[x.dtype]
+        oname = "__nv_fp8_e4m3" if fp8 else tname
         # launch_typed(): 16-byte vectors when hidden % kVec == 0 and the (simulated) device
         # pointers are 16-byte aligned (out: kVec * sizeof(OutT) bytes), else the scalar kernel
         vec = 16 // x.element_size()
@@ -261,7 +229,7 @@ class PtxCudaOps:
         threads = -(-nvec // items)
         threads = min(-(-threads // 32) * 32, 1024)
         mod = self._module("norm/fused_add_rmsnorm.cu")
-        self._run(m, mod, f"fused_add_rmsnorm_kernelI{tname}{oname}Li{vec}ELi{items}E", (rows,), (threads,),
+        self._run(m, mod, entry_of(mod, "fused_add_rmsnorm_kernel", tname, oname, vec, items), (rows,), (threads,),
                   [px, pr, pw, po, pro, hidden, float(eps), inv_scale])
         buf.copy_back()
 
@@ -304,7 +272,7 @@ class PtxCudaOps:
         if kv_table is not None and page_size > 1 and B > 0:
             if move_sync is None or move_sync.numel() != KV_MOVE_SYNC_WORDS or move_sync.dtype != torch.int64:
                 raise ValueError("move_sync must be an int64 [3] when KV rows move")
-            if not 1 <= move_tag < (1 << KV_MOVE_TAG_BITS):
+            if not 1 <= move_tag < (1 << _ops.compiled_constants()["kKvMoveTagBits"]):
                 raise ValueError(f"move_tag out of range: {move_tag}")
             args.move_sync = buf.ptr(move_sync)
             args.move_tag = move_tag
@@ -324,31 +292,8 @@ class PtxCudaOps:
             kv.copy_back()
 
 
-KV_THREADS = 1024          # kv_slots.cu kThreads
-KV_MOVE_SYNC_WORDS = 3     # launchers.h kKvMoveSyncWords
-KV_MOVE_TAG_BITS = 63 - 25  # launchers.h kKvMoveTagBits
-
-
-class IndexTensor(ctypes.Structure):
-    """csrc/include/spec_kernels/launchers.h IndexTensor."""
-    _fields_ = [("data", P), ("is_int64", ctypes.c_bool)]
-
-
-class KvSlotBatch(ctypes.Structure):
-    """launchers.h KvSlotBatch (136 bytes, like the kernels' .param)."""
-    _fields_ = [("req_to_token", IndexTensor), ("num_rows", ctypes.c_int64), ("max_context", ctypes.c_int64),
-                ("req_pool_indices", IndexTensor), ("seq_lens", IndexTensor), ("num_draft", IndexTensor),
-                ("num_requests", ctypes.c_int), ("free_pages", P), ("num_pages", ctypes.c_int64),
-                ("num_free", P), ("page_state", P), ("log2_page_size", ctypes.c_int), ("max_draft", ctypes.c_int),
-                ("status", P)]
-
-
-class KvCommitArgs(ctypes.Structure):
-    """launchers.h KvCommitArgs (104 bytes)."""
-    _fields_ = [("accept_index", IndexTensor), ("accept_width", ctypes.c_int64), ("accept_len", IndexTensor),
-                ("new_seq_lens", IndexTensor), ("kv_table", P), ("num_kv_buffers", ctypes.c_int),
-                ("num_kv_rows", ctypes.c_int64), ("kv_unit_bytes", ctypes.c_int),
-                ("kv_blocks_per_request", ctypes.c_int), ("move_sync", P), ("move_tag", ctypes.c_uint64)]
+KV_THREADS = source_constant("kKvSlotsThreads")
+KV_MOVE_SYNC_WORDS = source_constant("kKvMoveSyncWords")
 
 
 def _group_size_for(max_draft):
@@ -360,7 +305,7 @@ def _group_size_for(max_draft):
 
 def _kv_slot_batch(buf, req_to_token, req_pool_indices, seq_lens, num_draft, free_pages, num_free, page_state,
                    page_size, max_draft, status):
-    """ops.cpp kv_slot_batch (its argument checks are the binding's business here)."""
+    """kv_slots_binding.cpp kv_slot_batch (its argument checks are the binding's business here)."""
     for name, t in (("req_to_token", req_to_token), ("req_pool_indices", req_pool_indices),
                     ("seq_lens", seq_lens), ("num_draft", num_draft)):
         if t.dtype not in (torch.int32, torch.int64) or not t.is_contiguous():

@@ -3,7 +3,7 @@ split-KV partials + combine) run through tools/ptxsim, against the PyTorch refer
 
 The real Python binding (spec_kernels.mla.cuda: launch plan, split buffers) runs with its cuda_ops
 patched to tests/ptx/cuda_glue.PtxCudaOps, which fills MlaParams and sizes grid / block / shared
-memory like csrc/ops.cpp and the .cu launch(). Cases are tiny (one CTA handles up to 32 rows x 576
+memory like csrc/mla/mla_binding.cpp and the .cu launch(). Cases are tiny (one CTA handles up to 32 rows x 576
 dims, and the interpreter runs every thread): bf16 and fp16, tree verify and decode, empty
 prefixes, partial key tiles, mixed draft counts including 0, one and several KV splits, 16- and
 32-row CTAs, several row blocks per request, int32 and int64 slot ids, NaN in a cached row.
@@ -243,3 +243,22 @@ def test_unchecked_invalid_indices_stay_in_bounds_and_match_the_reference(ops, n
     torch.testing.assert_close(out[claimed].float(), ref[claimed].float(), atol=HALF_ULP[q.dtype] * vmax,
                                rtol=2 * HALF_ULP[q.dtype])
     torch.testing.assert_close(lse[claimed], ref_lse[claimed], atol=1e-5, rtol=1e-5)
+
+
+def test_planned_workspace_gives_the_one_call_result(ops):
+    """The CUDA binding with a plan's SplitWorkspace (spec_kernels.mla.MlaPlan) writes what the
+    one-call path writes, bit for bit, through the plan's partial buffers."""
+    from spec_kernels.attention.plan import SplitWorkspace
+
+    c = make_case([2, 3], [90, 20], 4, torch.bfloat16, seed=4)
+    q = c["q"]
+    T, H, _ = q.shape
+    args = (q, c["kv_cache"], c["kv_indptr"], c["kv_indices"], c["qo_indptr"], c["tree_mask"], 1 / math.sqrt(D), DV)
+    want, want_lse = torch.empty(T, H, DV, dtype=q.dtype), torch.empty(T, H)
+    mla_cuda.mla_tree_verify_attention(*args, want, want_lse, num_kv_splits=2)
+    ws = SplitWorkspace.make(2, True, T, H, DV, q.device)
+    ws.lse_partial.fill_(float("nan"))
+    out, lse = torch.full((T, H, DV), float("nan"), dtype=q.dtype), torch.full((T, H), float("nan"))
+    mla_cuda.mla_tree_verify_attention(*args, out, lse, workspace=ws)
+    assert torch.equal(out, want) and torch.equal(lse, want_lse)
+    assert not ws.lse_partial.isnan().all()

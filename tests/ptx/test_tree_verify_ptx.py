@@ -160,3 +160,29 @@ def test_sm90a_ptx_matches_reference():
     ref, ref_lse = reference(case)
     torch.testing.assert_close(out.float(), ref.float(), atol=TOL[torch.bfloat16], rtol=TOL[torch.bfloat16])
     torch.testing.assert_close(lse, ref_lse.float(), atol=1e-4, rtol=1e-4)
+
+
+def test_planned_workspace_gives_the_one_call_result():
+    """The CUDA binding with a plan's SplitWorkspace (splits, min_chunk and the split buffers made
+    once, spec_kernels.TreeVerifyPlan) writes what the one-call path writes, bit for bit, and its
+    kernels write the plan's partial buffers (NaN before the launch)."""
+    from spec_kernels.attention.plan import SplitWorkspace
+
+    case = make_case([3, 6], [150, 40], hq=4, hkv=2, d=64, dtype=torch.float16, seed=9)
+    T, Hq, D = case.q.shape
+    want, want_lse = run_ptx(case, PtxCudaOps(), splits=3)
+    ws = SplitWorkspace.make(3, True, T, Hq, D, case.q.device)
+    ws.o_partial.fill_(float("nan"))
+    ws.lse_partial.fill_(float("nan"))
+    out = torch.full((T, Hq, D), float("nan"), dtype=case.q.dtype)
+    lse = torch.full((T, Hq), float("nan"))
+    saved = tv_cuda.cuda_ops
+    ops = PtxCudaOps()
+    tv_cuda.cuda_ops = lambda: ops
+    try:
+        tv_cuda.tree_verify_attention(case.q, case.k_cache, case.v_cache, case.kv_indptr, case.kv_indices,
+                                      case.qo_indptr, case.tree_mask, D ** -0.5, out, lse, workspace=ws)
+    finally:
+        tv_cuda.cuda_ops = saved
+    assert torch.equal(out, want) and torch.equal(lse, want_lse)
+    assert not ws.lse_partial.isnan().all() and any("merge_splits" in launch[0] for launch in ops.launches)

@@ -62,7 +62,7 @@ def test_tree_verify_split_kv_and_merge(dtype):
     runner = TritonPtxRunner()
     with runner.active():
         out, lse = spec_kernels.tree_verify_attention(*case.args, return_lse=True, impl="triton", num_kv_splits=2)
-    assert [x.kernel for x in runner.launches] == ["_tree_verify_fwd_kernel", "_merge_splits_kernel"]
+    assert [x.kernel for x in runner.launches] == ["_tree_verify_fwd_kernel", "merge_splits_kernel"]
     assert runner.launches[0].grid[1] == 2
     _check_attention(out, lse, ref, ref_lse, dtype)
 
@@ -93,7 +93,7 @@ def test_decode_automatic_splits():
     fwd = runner.launches[0]
     assert fwd.config["MIN_CHUNK"] == tv.MIN_SPLIT_KEYS and fwd.config["IS_DECODE"]
     splits = fwd.grid[1]
-    assert [x.kernel for x in runner.launches] == ["_tree_verify_fwd_kernel"] + ["_merge_splits_kernel"] * (splits > 1)
+    assert [x.kernel for x in runner.launches] == ["_tree_verify_fwd_kernel"] + ["merge_splits_kernel"] * (splits > 1)
     _check_attention(out, lse, ref, ref_lse, dtype)
 
 
@@ -189,7 +189,7 @@ def test_mla_tree_split_and_merge(dtype):
     runner = TritonPtxRunner()
     with runner.active():
         out, lse = mla_tree_verify_attention(*case.args, return_lse=True, impl="triton", num_kv_splits=2)
-    assert [x.kernel for x in runner.launches] == ["_mla_fwd_kernel", "_merge_splits_kernel"]
+    assert [x.kernel for x in runner.launches] == ["_mla_fwd_kernel", "merge_splits_kernel"]
     _check_attention(out, lse, ref, ref_lse, dtype)
 
 

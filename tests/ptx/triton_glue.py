@@ -359,7 +359,7 @@ class TritonPtxRunner:
         from triton.runtime.interpreter import InterpretedFunction
         from triton.runtime.jit import JITFunction
 
-        from spec_kernels.tree_verify import launch_plan
+        from spec_kernels.attention import plan
 
         runner = self
         saved = []
@@ -375,7 +375,7 @@ class TritonPtxRunner:
 
         setattr_saved(InterpretedFunction, "run", run)
         setattr_saved(JITFunction, "run", run)  # the kernels are JITFunctions when TRITON_INTERPRET is off
-        setattr_saved(launch_plan, "sm_count", lambda index: runner.sms)
+        setattr_saved(plan, "sm_count", lambda index: runner.sms)
         cuda = types.SimpleNamespace(type="cuda", index=0)
         for modname, lazy_name in _LAUNCHERS.items():
             mod = importlib.import_module(modname)

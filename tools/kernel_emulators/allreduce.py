@@ -658,7 +658,7 @@ class RankCall:
         self.rows, self.hidden = x_bits.shape
         self.dtype, self.fused, self.fp8_out = dtype, spec.fused, spec.fp8_out
         self.eps = spec.eps
-        self.inv_scale = float(np.float32(1.0 / spec.out_scale)) if spec.fp8_out else 1.0  # ops.cpp inv_out_scale
+        self.inv_scale = float(np.float32(1.0 / spec.out_scale)) if spec.fp8_out else 1.0  # norm_checks.h inv_out_scale
         self.x = Bits(x_bits, f"rank {rank} x")
         n = self.rows * self.hidden
         out_t = FP8 if spec.fp8_out else dtype

@@ -230,7 +230,7 @@ def emulate(x, residual, weight, eps, out_scale=None, addr=None, inplace=""):
         os_.dtype, os_.size = out_t, SIZEOF[out_t]  # out=x needs out's dtype == x's (no fp8 in place)
     for s in (os_, ros):
         s.begin_launch()
-    inv_scale = float(np.float32(1.0 / out_scale)) if out_scale is not None else 1.0  # ops.cpp inv_out_scale
+    inv_scale = float(np.float32(1.0 / out_scale)) if out_scale is not None else 1.0  # norm_checks.h inv_out_scale
     info = {}
     status = launch_fused_add_rmsnorm(xs, rs, ws, os_, ros, rows, hidden, dtype, out_scale is not None, eps,
                                       inv_scale, info)

@@ -31,90 +31,19 @@ from typing import Optional
 
 import numpy as np
 
+from . import ops
 from .memory import (GENERIC_SHARED_BASE, PARAM_BASE, SHARED_BASE, GlobalMemory, Hazard,
                      SharedMemory, SimError)
+from .numerics import (_NP, _SIGNED, _TYPES, _UNS, _f32, _size, bf16_to_f32, f16_to_f32,  # noqa: F401
+                       f32_to_bf16, f32_to_e4m3_satfinite, f32_to_f16, ftz)
 from .parser import Entry, Instr, Operand
+from .state import EXIT, Frame, Group
 
 __all__ = ["Machine", "Launch", "SimError", "Hazard", "Deadlock", "Stats"]
 
 
 class Deadlock(SimError):
     pass
-
-
-_NP = {"u8": np.uint8, "s8": np.int8, "b8": np.uint8, "u16": np.uint16, "s16": np.int16, "b16": np.uint16,
-       "f16": np.float16, "bf16": np.uint16, "u32": np.uint32, "s32": np.int32, "b32": np.uint32, "f32": np.float32,
-       "u64": np.uint64, "s64": np.int64, "b64": np.uint64, "f64": np.float64, "pred": np.bool_,
-       "f16x2": np.uint32, "bf16x2": np.uint32, "f32x2": np.uint64}
-_UNS = {1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64}
-_SIGNED = {1: np.int8, 2: np.int16, 4: np.int32, 8: np.int64}
-_TYPES = set(_NP)
-EXIT = -1
-
-
-def _size(t):
-    return np.dtype(_NP[t]).itemsize
-
-
-# ----------------------------------------------------------------------------------------- floats
-def bf16_to_f32(bits):
-    return (bits.astype(np.uint32) << np.uint32(16)).view(np.float32)
-
-
-def f32_to_bf16(x):
-    """Round to nearest even; NaN stays a quiet NaN."""
-    u = np.asarray(x, np.float32).view(np.uint32).astype(np.uint64)
-    r = ((u + 0x7FFF + ((u >> 16) & 1)) >> 16).astype(np.uint16)
-    nan = np.isnan(np.asarray(x, np.float32))
-    return np.where(nan, ((u >> 16) | 0x40).astype(np.uint16), r)
-
-
-def f32_to_f16(x):
-    with np.errstate(over="ignore"):
-        return np.asarray(x, np.float32).astype(np.float16).view(np.uint16)
-
-
-def f16_to_f32(bits):
-    return bits.astype(np.uint16).view(np.float16).astype(np.float32)
-
-
-_E4M3 = None
-
-
-def f32_to_e4m3_satfinite(x):
-    """float32 -> fp8 e4m3 bits, round to nearest even, clamped to +-448, NaN -> 0x7f."""
-    global _E4M3
-    if _E4M3 is None:
-        vals = []
-        for b in range(256):
-            s, e, m = b >> 7, (b >> 3) & 15, b & 7
-            if e == 15 and m == 7:
-                vals.append(np.nan)
-                continue
-            v = (m / 8) * 2.0 ** -6 if e == 0 else (1 + m / 8) * 2.0 ** (e - 7)
-            vals.append(-v if s else v)
-        _E4M3 = np.array(vals)
-    x = np.asarray(x, np.float64)
-    pos = np.arange(128)
-    grid = _E4M3[:127]                   # 0 .. 448, increasing
-    ax = np.minimum(np.abs(x), 448.0)
-    i = np.clip(np.searchsorted(grid, ax), 1, 126)
-    lo, hi = grid[i - 1], grid[i]
-    pick_hi = (ax - lo > hi - ax) | ((ax - lo == hi - ax) & (pos[i] % 2 == 0))
-    code = np.where(ax <= 0, 0, np.where(pick_hi, i, i - 1))
-    code = np.where(ax >= 448.0, 126, code)
-    out = (code | (np.signbit(x) << 7)).astype(np.uint8)
-    return np.where(np.isnan(x), np.uint8(0x7F), out)
-
-
-def ftz(x):
-    x = np.asarray(x, np.float32)
-    sub = (x != 0) & (np.abs(x) < np.float32(1.1754944e-38))
-    return np.where(sub, np.copysign(np.float32(0), x), x).astype(np.float32) if np.any(sub) else x
-
-
-def _f32(x):
-    return np.asarray(x, np.float64).astype(np.float32)
 
 
 # ----------------------------------------------------------------------------------------- stats
@@ -160,41 +89,6 @@ def _klass(op):
     if op.startswith("bra"):
         return "branch"
     return "other"
-
-
-# ----------------------------------------------------------------------------------------- program
-class Frame:
-    __slots__ = ("pc", "rpc", "mask")
-
-    def __init__(self, pc, rpc, mask):
-        self.pc, self.rpc, self.mask = pc, rpc, mask
-
-
-class Group:
-    __slots__ = ("launch", "threads", "stack", "state", "penalty", "backedges", "bar_pc", "gid")
-    _next = 0
-
-    def __init__(self, launch, threads, stack):
-        self.launch, self.threads, self.stack = launch, threads, stack
-        self.state = "run"
-        self.penalty = 0
-        self.backedges = 0
-        self.bar_pc = None
-        Group._next += 1
-        self.gid = Group._next
-
-    def signature(self):
-        return (id(self.launch), self.state, self.bar_pc, tuple((f.pc, f.rpc) for f in self.stack))
-
-    def sel(self):
-        f = self.stack[-1]
-        if f.mask.all():
-            t = self.threads
-            if t.size and t[-1] - t[0] + 1 == t.size:
-                return slice(int(t[0]), int(t[-1]) + 1), t
-            return t, t
-        t = self.threads[f.mask]
-        return t, t
 
 
 def _cfg_ipdom(instrs, labels):
@@ -631,7 +525,6 @@ class Machine:
 
     # decoding ---------------------------------------------------------------------------------
     def decode(self, r, ins: Instr, pc):
-        from . import ops
         kind, fn = ops.decode(self, r, ins, pc)
         if kind != "op" or ins.opcode.split(".")[0] in ("ld", "cp", "atom", "st", "red"):
             return kind, fn

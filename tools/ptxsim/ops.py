@@ -9,8 +9,9 @@ from __future__ import annotations
 
 import numpy as np
 
-from . import executor as ex
-from .memory import GENERIC_SHARED_BASE, PARAM_BASE, SHARED_BASE, SimError
+from . import numerics as ex
+from .memory import GENERIC_SHARED_BASE, PARAM_BASE, SHARED_BASE, Hazard, SimError
+from .state import Frame, Group
 
 _NP, _UNS, _SIGNED = ex._NP, ex._UNS, ex._SIGNED
 FLOATS = {"f32", "f64", "f16", "bf16"}
@@ -1307,7 +1308,7 @@ def h_cp(c, parts, ops, pc):
         idx = r.smem.index(tids, d, size, "cp.async")
         r.stats.bank_conflicts[c.ins.opcode] += r.smem.count_banks(tids, idx, size)
         if np.any(r.smem.pending[idx[:, None] + np.arange(size)]):
-            raise ex.Hazard("cp.async into shared bytes that an earlier cp.async still has pending")
+            raise Hazard("cp.async into shared bytes that an earlier cp.async still has pending")
         # the copy may land any time from now on: it races with unordered reads/writes of others now
         r.smem.access(tids, idx, size, True, "cp.async", perform=False)
         data = np.zeros((tids.size, size), np.uint8)
@@ -1366,7 +1367,7 @@ def h_bra(c, parts, ops, pc):
             nwp = np.unique(w[nmask])
             if split_ok and np.intersect1d(tw, nwp).size == 0:
                 in_t = np.isin(w, tw)
-                ng = ex.Group(r, g.threads[in_t], [ex.Frame(x.pc, x.rpc, x.mask[in_t]) for x in g.stack])
+                ng = Group(r, g.threads[in_t], [Frame(x.pc, x.rpc, x.mask[in_t]) for x in g.stack])
                 ng.stack[-1].pc = target
                 ng.penalty = g.penalty
                 keep = ~in_t
@@ -1380,8 +1381,8 @@ def h_bra(c, parts, ops, pc):
             else:
                 rpc = r.ipdom[pc]
                 fr.pc = rpc
-                g.stack.append(ex.Frame(pc + 1, rpc, nmask))
-                g.stack.append(ex.Frame(target, rpc, tmask))
+                g.stack.append(Frame(pc + 1, rpc, nmask))
+                g.stack.append(Frame(target, rpc, tmask))
         if target <= pc and (gv is None or gv.any()):
             g.backedges += 1
             if g.backedges % 64 == 0:

@@ -1,6 +1,6 @@
 // Host-side entry points of the CUDA kernels. Plain C++ and CUDA runtime types only, no torch:
-// csrc/ops.cpp (the one torch-facing file) checks arguments and calls these; the .cu files
-// implement them. Every launcher returns the launch's cudaError_t instead of throwing.
+// the bindings (csrc/<family>/*_binding.cpp, the torch-facing files) check arguments and call
+// these; the .cu files implement them. Every launcher returns the launch's cudaError_t instead of throwing.
 #pragma once
 
 #include <cstdint>
@@ -25,6 +25,9 @@ cudaError_t launch_tree_mask_from_parents(const int64_t* parents, const int32_t*
 
 // ---------------------------------------------------------------- draft-token KV slots (kv_slots/)
 // Contract, validity rules and status codes: spec_kernels/kv_slots/reference.py.
+
+// Threads of the alloc and commit kernels' blocks.
+constexpr int kKvSlotsThreads = 1024;
 
 // A device vector of int32 or int64 values (the kernels read and write it as int64).
 struct IndexTensor {

@@ -1,5 +1,5 @@
 // Host interface of the CUDA MLA tree-verify attention kernel (no torch types; the torch wrapper
-// is mla_tree_verify_attention in csrc/ops.cpp).
+// is csrc/mla/mla_binding.cpp).
 #pragma once
 
 #include <cstdint>

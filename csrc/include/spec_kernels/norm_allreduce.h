@@ -1,6 +1,6 @@
 // Host-side entry points of the fused residual add + RMSNorm kernel (csrc/norm/) and of the
 // PCIe allreduce kernels with that epilogue fused (csrc/allreduce/). Plain C++ and CUDA runtime
-// types only; csrc/ops.cpp checks tensors and calls these. Every launcher returns the launch's
+// types only; the bindings (csrc/norm/, csrc/allreduce/) check tensors and call these. Every launcher returns the launch's
 // cudaError_t instead of throwing.
 #pragma once
 

@@ -1,4 +1,4 @@
-// Host interface of the CUDA tree-verify attention kernel (no torch types; see csrc/ops.cpp).
+// Host interface of the CUDA tree-verify attention kernel (no torch types; see csrc/tree_verify/tree_verify_binding.cpp).
 #pragma once
 
 #include <cstdint>

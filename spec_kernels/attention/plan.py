@@ -1,4 +1,6 @@
-"""Launch sizing shared by the Triton and CUDA attention kernels: rows per request and KV splits.
+"""Launch sizing shared by the attention kernels (tree verify and MLA, Triton and CUDA): device
+limits, resident CTAs, rows per request and KV splits. Shapes only: each kernel's own resource
+model (threads, registers, shared memory of one CTA) lives next to that kernel.
 
 Both depend only on tensor shapes and the GPU's properties, never on index values, so no call
 syncs with the host and every launch can be captured in a CUDA graph.
@@ -29,20 +31,18 @@ The prefix length comes from shapes too: kv_indices holds every request's slots,
 kv_indices.numel() / B - n is the mean prefix (a longer buffer only allows more splits, and the
 kernels still keep MIN_SPLIT_KEYS per split, so extra splits stay empty and cheap).
 
-    python -m spec_kernels.tree_verify --gpu h200 [--impl triton]   # the plan of the benchmark shapes
-    (the same as python -m spec_kernels.tree_verify.launch_plan)
+    python -m spec_kernels.bench plan --gpu h200 [--impl triton]   # the plan of the benchmark shapes
 """
 from __future__ import annotations
 
-import argparse
 import functools
 from dataclasses import dataclass
-from typing import Callable, Optional, Sequence, Union
+from typing import Callable, Optional, Union
 
 import torch
 
+from .._limits import MAX_DRAFT_TOKENS
 from .._ops import sm_count
-from .reference import MAX_DRAFT_TOKENS
 
 MAX_KV_SPLITS = 64
 MIN_SPLIT_KEYS = 256  # automatic splits stream at least this many prefix keys each
@@ -112,97 +112,8 @@ class KernelResources:
     smem_bytes: int
 
 
-# Registers per thread of the CUDA kernels, from the extension build's ptxas output (setup.py
-# passes -Xptxas=-v: "Used N registers" per kernel in the build log of
-# `python setup.py build_ext --inplace`, or compile one file:
-#   nvcc -O3 -Xptxas=-v --expt-relaxed-constexpr -std=c++20 -Icsrc/include \
-#        -gencode=arch=compute_90a,code=sm_90a -gencode=arch=compute_120a,code=sm_120a \
-#        -c csrc/tree_verify/tree_verify_attention.cu -o /tmp/tv.o
-# ). The larger of the sm_90a and sm_120a figures (fp16 and bf16 are equal). Shared memory and
-# threads are the kernels' own constants (TileConfig / MlaTile); a stale register figure only
-# mis-sizes the splits, never breaks a launch.
-# Tree verify by (head dim, rows per CTA): 64 rows is the default configuration, 32 the D = 128
-# decode one, 128 the D = 128 one for more than 64 rows (TileConfig<D, rows>).
-CUDA_TREE_VERIFY_REGS = {(64, 64): 156, (128, 64): 243, (256, 64): 255, (128, 32): 190, (128, 128): 233}
-CUDA_MLA_REGS = {16: 252, 32: 235, 64: 255}  # BLOCK_M (mla_block_m) -> registers
-_CUDA_THREADS = 128  # kWarps = 4 in both kernels (8 in tree verify's 128-row and MLA's 64-row configurations)
-
-
-def cuda_tree_verify_resources(head_dim: int, block_m: int = 64) -> KernelResources:
-    """csrc/tree_verify/tree_verify_attention.cu (TileConfig<D, block_m>::kSmemBytes): K and V
-    stages (three at D = 128, else two) of 64 keys (32 at D = 256 and in the 32-row configuration),
-    the Q tile (D > 128; at D <= 128 Q lives in registers, staged in the last K and V stages) and
-    the slot ids of 4 tiles. 4 warps; 8 for 128 rows."""
-    stage_keys = 32 if block_m == 32 or head_dim >= 256 else 64
-    stages = 3 if head_dim == 128 else 2
-    q_elems = 0 if head_dim <= 128 else block_m * head_dim
-    smem = (q_elems + 2 * stages * stage_keys * head_dim) * 2 + 4 * stage_keys * 8
-    threads = 2 * _CUDA_THREADS if block_m == 128 else _CUDA_THREADS
-    return KernelResources(threads, CUDA_TREE_VERIFY_REGS.get((head_dim, block_m), 255), smem)
-
-
-def cuda_tree_verify_block_m(head_dim: int, rows: int, limits: Optional[DeviceLimits] = None) -> int:
-    """Rows per CTA of the configuration a CUDA launch of `rows` (max_rows) takes
-    (tree_verify_attention.cu launch()): at D = 128, 128 for more than 64 rows (each K/V tile read
-    once for up to 128 rows) and 32 for at most 16 rows where two such CTAs fit on an SM and two
-    64-row ones do not (sm_120; needs `limits`); else 64. For counting CTAs, 32 and 64 agree
-    (<= 16 rows are one CTA either way)."""
-    if head_dim != 128:
-        return 64
-    if rows > 64:
-        return 128
-    if rows > 16 or limits is None:
-        return 64
-    per_cta = limits.smem_reserved_per_cta
-    large = cuda_tree_verify_resources(128).smem_bytes + per_cta
-    small = cuda_tree_verify_resources(128, 32).smem_bytes + per_cta
-    return 32 if 2 * large > limits.smem_per_sm and 2 * small <= limits.smem_per_sm else 64
-
-
-def cuda_tree_verify_kernel(head_dim: int, rows: int) -> Callable[[DeviceLimits], KernelResources]:
-    """The resources of the configuration a launch of `rows` (max_rows) takes on a device."""
-    return lambda limits: cuda_tree_verify_resources(head_dim, cuda_tree_verify_block_m(head_dim, rows, limits))
-
-
-def cuda_mla_resources(block_m: int) -> KernelResources:
-    """csrc/mla/mla_tree_verify_attention.cu (MlaTile::kSmemBytes): 4 warps (8 at block_m 64), Q
-    tile (576 columns; 448 at block_m 64, whose first 128 stay in registers), 3 (block_m 32) or 2
-    stages of block_n = 8 x warps x 16 / block_m keys, P (rows padded by 16 bytes), the row maxima,
-    the slot ids of 4 tiles."""
-    threads = 2 * _CUDA_THREADS if block_m == 64 else _CUDA_THREADS
-    block_n = threads * 4 // block_m
-    stages = 3 if block_m == 32 else 2
-    q_cols = 448 if block_m == 64 else 576
-    smem = ((block_m * q_cols + stages * block_n * 576) * 2 + block_m * (block_n * 2 + 16)
-            + block_n // 8 * block_m * 4 + 4 * block_n * 8)
-    return KernelResources(threads, CUDA_MLA_REGS.get(block_m, 255), smem)
-
-
-# Triton kernels, from `python tools/triton_compile_report.py --ci --kernels tree_verify,mla`
-# (its "smem" and "regs" columns; the larger of sm_90 and sm_120). Tree verify, bf16, D = 128,
-# BLOCK_M 32, 4 warps: 188 registers, 44.5 KB; MLA, BLOCK_M 32, 8 warps: 177 registers, 55.1 KB.
-# Both shared memory figures are the Q tile plus ONE K and V tile plus a few KB of scratch (the
-# compiler keeps the other pipeline stage in registers), which triton_tree_verify_smem models.
-# 8-warp tree-verify tiles (BLOCK_M >= 64, head dim 256) are taken at the 255-register ceiling.
-# The autotuner may pick another tile than the one planned for; this sizes the common case.
-TRITON_TREE_VERIFY_REGS = {4: 188, 8: 255}  # num_warps -> registers
-TRITON_MLA_REGS = 177
-TRITON_SCRATCH_SMEM = 4608  # bytes beyond the tiles (44.5 KB - 8 KB Q - 32 KB K and V)
-
-
 def triton_resources(num_warps: int, smem_bytes: int, regs_per_thread: int = 255) -> KernelResources:
     return KernelResources(num_warps * 32, regs_per_thread, smem_bytes)
-
-
-def triton_tree_verify_resources(block_m: int, block_n: int, num_warps: int, head_dim: int, v_head_dim: int,
-                                 elt: int) -> KernelResources:
-    smem = (block_m * head_dim + block_n * (head_dim + v_head_dim)) * elt + TRITON_SCRATCH_SMEM
-    return triton_resources(num_warps, smem, TRITON_TREE_VERIFY_REGS.get(num_warps, 255))
-
-
-def triton_mla_resources(block_m: int, head_dim: int, elt: int) -> KernelResources:
-    """spec_kernels/mla/triton_kernel.py on a GPU: 8 warps, Q tile + one 16-key latent tile."""
-    return triton_resources(8, (block_m + 16) * head_dim * elt + 1024, TRITON_MLA_REGS)
 
 
 def resident_ctas_per_sm(kernel: KernelResources, limits: DeviceLimits) -> int:
@@ -308,100 +219,26 @@ def num_kv_splits(device: torch.device, num_requests: int, num_kv_heads: int, ro
     return split_plan(limits, kernel, num_requests, num_kv_heads, rows, block_m, prefix_keys).splits
 
 
-# --------------------------------------------------------------------------- the CLI
-@dataclass(frozen=True)
-class Shape:
-    model: str
-    B: int
-    heads: int  # Hq (MLA: heads)
-    kv_heads: int  # Hkv (MLA: 1)
-    head_dim: int
-    L: int  # prefix keys per request
-    n: int  # draft tokens per request (1: plain decode)
-    mla: bool = False
+@dataclass
+class SplitWorkspace:
+    """A planned split of the KV prefixes, made once for a batch and reused by every layer's
+    launch: `splits` per request (1 = none), the smallest prefix share of a split (`min_chunk`:
+    MIN_SPLIT_KEYS for a planned count, 0 for a forced one, so results equal the one-call
+    functions'), and the fp32 partial outputs [splits, T, H, Dv] and their base-2 log-sum-exp
+    [splits, T, H] (None with one split). The buffers stay the same tensors across CUDA-graph
+    replays."""
 
+    splits: int
+    min_chunk: int
+    o_partial: Optional[torch.Tensor] = None
+    lse_partial: Optional[torch.Tensor] = None
 
-def benchmark_shapes(grid: str = "decode-step") -> list[Shape]:
-    """The benchmarks' GPU grids (preset `gpu`). "decode-step" (benchmarks/decode_step_models.py):
-    per-rank attention of its models at every B and n (n = 1: plain decode), L = 2048.
-    "tree-verify" (benchmarks/test_tree_verify.py, benchmarks/_timing.py): GQA 32/4 and 32/8,
-    D = 128, B in 1..64, L in 1024..32768, n in 1..64."""
-    if grid == "tree-verify":
-        return [Shape(f"gqa-{hq}/{hkv}", B, hq, hkv, 128, L, n)
-                for hq, hkv in ((32, 4), (32, 8)) for n in (1, 16, 32, 64)
-                for L in (1024, 4096, 16384, 32768) for B in (1, 8, 32, 64)]
-    if grid != "decode-step":
-        raise ValueError(f"grid must be 'decode-step' or 'tree-verify', got {grid!r}")
-    models = [("llama-3.1-8b-tp1", 32, 8, 128, False), ("llama-3.3-70b-tp8", 8, 1, 128, False),
-              ("deepseek-v3-tp8", 16, 1, 576, True), ("kimi-k2.5-tp8", 8, 1, 576, True)]
-    return [Shape(m, B, hq, hkv, d, 2048, n, mla)
-            for m, hq, hkv, d, mla in models
-            for n in (1, 4, 8, 16, 32)
-            for B in (1, 2, 5, 10, 30, 70, 100, 250)]
+    @staticmethod
+    def make(splits: int, forced: bool, num_tokens: int, num_heads: int, v_head_dim: int,
+             device: torch.device) -> "SplitWorkspace":
+        o = lse = None
+        if splits > 1:
+            o = torch.empty((splits, num_tokens, num_heads, v_head_dim), dtype=torch.float32, device=device)
+            lse = torch.empty((splits, num_tokens, num_heads), dtype=torch.float32, device=device)
+        return SplitWorkspace(splits, 0 if forced else MIN_SPLIT_KEYS, o, lse)
 
-
-def _triton_tile(shape: Shape, limits: DeviceLimits) -> tuple[int, KernelResources]:
-    """BLOCK_M and resources of the Triton launch (bf16), as its launcher plans them."""
-    rows = max_rows(shape.B * shape.n, shape.heads // shape.kv_heads, shape.n == 1, shape.n)
-    if shape.mla:
-        from ..mla import triton_kernel as mla
-
-        block_m = mla.default_block_m(rows)
-        return block_m, triton_mla_resources(block_m, shape.head_dim, 2)
-    from . import triton_kernel as tv
-
-    block_m = tv._default_block_m(rows, shape.head_dim)
-    return block_m, tv._plan_resources(block_m, shape.head_dim, shape.head_dim, 2, False)
-
-
-def plan_shape(shape: Shape, limits: DeviceLimits, impl: str = "cuda") -> tuple[int, SplitPlan]:
-    """(BLOCK_M, plan) of one benchmark shape, as the launcher would plan it on `limits`."""
-    group = shape.heads // shape.kv_heads
-    decode = shape.n == 1
-    T = shape.B * shape.n
-    grid_rows = max_rows(T, group, decode, shape.n)
-    rows = expected_rows(T, shape.B, group, decode, shape.n)
-    if impl == "cuda":
-        if shape.mla:
-            from ..mla.cuda import block_m as mla_block_m
-
-            block_m = mla_block_m(grid_rows)
-            kernel = cuda_mla_resources(block_m)
-        else:
-            block_m = cuda_tree_verify_block_m(shape.head_dim, grid_rows, limits)
-            kernel = cuda_tree_verify_resources(shape.head_dim, block_m)
-    else:
-        block_m, kernel = _triton_tile(shape, limits)
-    prefix = mean_prefix(shape.B * (shape.L + shape.n), shape.B, rows, group)  # kv_indices: L + n slots each
-    return block_m, split_plan(limits, kernel, shape.B, shape.kv_heads, rows, block_m, prefix)
-
-
-def format_table(shapes: Sequence[Shape], limits: DeviceLimits, impl: str) -> str:
-    lines = [f"{limits.name}: {limits.sms} SMs; {impl} kernels; MIN_SPLIT_KEYS={MIN_SPLIT_KEYS}, "
-             f"MAX_KV_SPLITS={MAX_KV_SPLITS}",
-             f"{'model':<18} {'B':>4} {'n':>3} {'heads':>6} {'D':>4} {'L':>6} {'BM':>4} {'CTAs':>5} "
-             f"{'/SM':>4} {'slots':>5} {'splits':>6} {'waves':>5} {'eff':>5}  bound"]
-    for s in shapes:
-        block_m, p = plan_shape(s, limits, impl)
-        lines.append(f"{s.model:<18} {s.B:>4} {s.n:>3} {f'{s.heads}/{s.kv_heads}':>6} {s.head_dim:>4} {s.L:>6} "
-                     f"{block_m:>4} {p.ctas:>5} {p.per_sm:>4} {p.slots:>5} {p.splits:>6} {p.waves:>5} "
-                     f"{p.efficiency:>5.2f}  {p.limit}")
-    return "\n".join(lines)
-
-
-def main(argv: Optional[Sequence[str]] = None, prog: str = "python -m spec_kernels.tree_verify.launch_plan") -> int:
-    ap = argparse.ArgumentParser(prog=prog,
-                                 description="KV-split plan of the decode-step benchmark shapes on a named GPU.")
-    ap.add_argument("--gpu", choices=sorted(DEVICES), default="h200")
-    ap.add_argument("--impl", choices=("cuda", "triton"), default="cuda")
-    ap.add_argument("--grid", choices=("decode-step", "tree-verify"), default="decode-step",
-                    help="the decode-step benchmark's models (default) or the tree-verify kernel benchmark's grid")
-    ap.add_argument("--model", default="", help="only the shapes of this model preset")
-    opts = ap.parse_args(argv)
-    shapes = [s for s in benchmark_shapes(opts.grid) if not opts.model or s.model == opts.model]
-    print(format_table(shapes, DEVICES[opts.gpu], opts.impl))
-    return 0
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())

@@ -1,0 +1,81 @@
+// Launch configurations of MLA tree-verify attention, for host and device code: the list of
+// compiled instances, their tile constants (the shapes are explained at the top of
+// csrc/mla/mla_tree_verify_attention.cu) and the launch's choice, exported by the binding
+// (torch.ops.spec_kernels_cuda.mla_launch_config / kernel_configs) for the Python planner, the PTX
+// interpreter's glue and the SASS report.
+#pragma once
+
+#include "spec_kernels/launch_shape.h"
+#include "spec_kernels/mla.h"
+
+namespace spec_kernels {
+
+// X(m tiles of 16 rows per CTA, registers per thread): every compiled configuration. Registers
+// are what ptxas reports (the larger of sm_90a and sm_120a), checked by tests/test_sass_report.py.
+#define SPEC_KERNELS_MLA_CONFIGS(X) \
+  X(1, 252)                         \
+  X(2, 235)                         \
+  X(4, 255)
+
+namespace mla {
+constexpr int kD = kMlaHeadDim;
+constexpr int kDv = kMlaVHeadDim;
+constexpr int kChunks = kD / 8;    // 16-byte chunks per row: 72
+constexpr int kRowBytes = kD * 2;  // 1152
+constexpr int kKSteps = kD / 16;   // 36 k16 steps of S = Q K^T
+static_assert(kKSteps % 4 == 0 && kChunks % 8 == 0, "head dims must split evenly");
+}  // namespace mla
+
+template <int kMTiles>
+struct MlaTile {
+  static constexpr int kBlockM = 16 * kMTiles;
+  static constexpr int kWarps = kMTiles == 4 ? 8 : 4;
+  static constexpr int kThreads = kWarps * 32;
+  static constexpr int kDvTiles = mla::kDv / kWarps / 8;  // O += P V: n8 tiles (512 / kWarps columns) per warp
+  static constexpr int kBlockN = 8 * kWarps / kMTiles;    // one 16 x 8 unit of S per warp
+  static constexpr int kNWarps = kBlockN / 8;             // warps sharing one m tile's rows
+  static constexpr int kStageElems = kBlockN * mla::kD;
+  // KV stages: 3 (two tiles in flight, two barriers per tile) where they fit, else 2 (three barriers)
+  static constexpr int kStages = kMTiles == 2 ? 3 : 2;
+  // P rows padded by 16 bytes: the 8 rows one ldmatrix reads fall in 8 different bank groups.
+  static constexpr int kPStride = kBlockN * 2 + 16;
+  static constexpr int kIdxStages = 4;  // slot ids of 4 tiles in flight, 8 bytes each
+  // Q fragments of the first kQRegSteps k16 steps stay in registers: 16-row CTAs (a 64-register O
+  // accumulator) 24, saving ldmatrix; 64-row CTAs 8, so that Q fits: only the other 28 steps'
+  // columns (kQChunks) stay in shared memory, the first ones are staged in KV stage 0 at the start.
+  static constexpr int kQRegSteps = kMTiles == 1 ? 24 : kMTiles == 4 ? 8 : 0;
+  static constexpr int kQStagedChunks = kMTiles == 4 ? 2 * kQRegSteps : 0;  // not in the Q tile
+  static constexpr int kQChunks = mla::kChunks - kQStagedChunks;
+  static constexpr int kSmemBytes = (kBlockM * kQChunks * 8 + kStages * kStageElems) * 2 + kBlockM * kPStride +
+                                    kNWarps * kBlockM * 4 + kIdxStages * kBlockN * 8;
+  static_assert(kBlockM * kBlockN == 128 * kWarps && kBlockN % 16 == 0, "one S unit per warp, whole k16 steps");
+  static_assert(kDvTiles % 8 == 0, "a warp's output columns are whole 64-column blocks");
+  static_assert(kBlockN * 8 % kThreads == 0 || kThreads % (kBlockN * 8) == 0,
+                "the gather gives each of its threads whole rows of 8 chunks");
+  static_assert(kQStagedChunks % 8 == 0 && kQRegSteps % 4 == 0, "the Q split keeps the swizzle and q_off");
+  static_assert(kBlockM * kQStagedChunks * 16 <= kStageElems * 2, "the staged Q columns fit in KV stage 0");
+  static_assert(kSmemBytes <= 99 * 1024, "sm_120 allows 99 KB of shared memory per block");
+};
+
+// Threads of the split-combine kernel (one block per (token, head)).
+constexpr int kMlaMergeThreads = 128;
+
+template <int kMTiles, int kRegs>
+constexpr LaunchShape mla_instance_shape() {
+  using Tile = MlaTile<kMTiles>;
+  return LaunchShape{kMlaHeadDim, Tile::kBlockM, Tile::kThreads, Tile::kSmemBytes, kRegs, 0};
+}
+
+// The compiled configuration of block_m rows per CTA; block_m 0 when there is none.
+constexpr LaunchShape mla_config_shape(int block_m) {
+#define SPEC_KERNELS_MLA_SHAPE(M_TILES, REGS) \
+  if (block_m == 16 * M_TILES) return mla_instance_shape<M_TILES, REGS>();
+  SPEC_KERNELS_MLA_CONFIGS(SPEC_KERNELS_MLA_SHAPE)
+#undef SPEC_KERNELS_MLA_SHAPE
+  return LaunchShape{kMlaHeadDim, 0, 0, 0, 0, 0};
+}
+
+// The configuration a launch of max_rows takes (mla_block_m: the same on every device).
+constexpr LaunchShape mla_launch_shape(int max_rows) { return mla_config_shape(mla_block_m(max_rows)); }
+
+}  // namespace spec_kernels

@@ -1,0 +1,105 @@
+// Launch configurations of tree-verify attention, for host and device code: the list of compiled
+// instances, their tile constants, and the launch's choice among them as a pure function of the
+// batch's max_rows and the device's shared memory. tree_verify_attention.cu instantiates and
+// dispatches from the list; the binding exports the choice and the list
+// (torch.ops.spec_kernels_cuda.tree_verify_launch_config / kernel_configs), which the Python
+// planner, the PTX interpreter's glue and the SASS report read instead of copies.
+#pragma once
+
+#include "spec_kernels/launch_shape.h"
+#include "spec_kernels/tree_verify.h"
+
+namespace spec_kernels {
+
+// X(head_dim, rows per CTA, registers per thread): every compiled configuration.
+//  64 rows: the default, 4 warps.
+//  32 rows (D = 128): the decode one (at most 16 rows): 32-key stages, 49 KB, so that two CTAs
+//      share an SM whose shared memory holds one of the 98 KB configuration (sm_120).
+// 128 rows (D = 128): 8 warps, for more than 64 rows (n = 16 drafts x GQA 8): each K/V tile is
+//      gathered once for all of them instead of once per 64-row block; same stages as 64 rows.
+// Registers are what ptxas reports for the instance (the larger of sm_90a and sm_120a; fp16 and
+// bf16 agree): the planner's occupancy model reads them, tests/test_sass_report.py checks them
+// against the compiled cubins.
+#define SPEC_KERNELS_TREE_VERIFY_CONFIGS(X) \
+  X(64, 64, 156)                            \
+  X(128, 64, 243)                           \
+  X(256, 64, 255)                           \
+  X(128, 32, 190)                           \
+  X(128, 128, 233)
+
+template <int D, int kRows = kTreeVerifyBlockM>
+struct TileConfig {
+  static constexpr bool kSmall = kRows == 32, kWide = kRows == 128;
+  static_assert(kRows == kTreeVerifyBlockM || (D == 128 && (kSmall || kWide)),
+                "32 and 128 rows per CTA are D = 128 configurations");
+  static constexpr int kBlockM = kRows;  // query rows of a CTA
+  static constexpr int kWarps = kWide ? 8 : 4;
+  static constexpr int kThreads = kWarps * 32;
+  static constexpr int kChunks = D / 8;                            // 16-byte chunks per row
+  static constexpr int kStageKeys = kSmall || D >= 256 ? 32 : 64;   // keys per pipeline stage
+  static constexpr int kMaxWarpsN = kStageKeys / 16;               // a warp takes >= 16 keys of a stage
+  static constexpr int kMaxNTiles = kStageKeys / 8;                // n8 key tiles of one warp (warps_n = 1)
+  static constexpr int kDvTiles = D / 8;                           // n8 tiles of the output row
+  // Q fragments stay in registers across tiles where they fit (D / 4 registers per thread); the
+  // Q tile is then only staged once, in the last K stage.
+  static constexpr bool kQInRegs = D <= 128;
+  // K/V pipeline stages: three where sm_120's 99 KB hold them.
+  static constexpr int kStages = D == 128 ? 3 : 2;
+  // Slot ids of 4 tiles (8 bytes each, int32 or int64 as given): those of the kStages - 1 tiles
+  // being gathered and of the next kStages (the prologue waits at a barrier before reusing a cell).
+  static constexpr int kIdxStages = 4;
+  static constexpr int kIdxBytes = kIdxStages * kStageKeys * 8;
+  static constexpr int kQElems = kQInRegs ? 0 : kBlockM * D;
+  // [Q tile] + kStages K + kStages V stages + slot ids: 34 KB (D=64), 98 KB (D=128; small: 49 KB),
+  // 97 KB (D=256).
+  static constexpr int kSmemBytes = (kQElems + 2 * kStages * kStageKeys * D) * 2 + kIdxBytes;
+  // ... in the last K stage (rows 0-63) and the last V stage (rows 64-127; kWide).
+  static_assert(!kQInRegs || kBlockM <= 2 * kStageKeys, "the Q tile is staged in the last K and V stages");
+  static_assert(kIdxStages >= kStages + 1, "the ids of kStages tiles are pending while a tile's are read");
+  // CTAs per SM the registers must allow (__launch_bounds__): 3 at D=64 (4 would cap it at 128
+  // registers and spill); 2 for the small configuration; else 1, where shared memory allows 1-2
+  // anyway and a lower register target makes ptxas recompute tile addresses in the KV loop
+  // (kWide: 8 warps of up to 255 registers fill the register file).
+  static constexpr int kMinCtasPerSm = D == 64 ? 3 : kSmall ? 2 : 1;
+  // The end-of-loop merge reuses that memory: per warp, per lane, the accumulators + m, l.
+  static constexpr int kMergeFloats = kDvTiles * 4 + 4;
+  static_assert(kWarps * kMergeFloats * 32 * 4 <= kSmemBytes, "merge buffer must fit");
+  static_assert(kSmemBytes <= 99 * 1024, "sm_120 allows 99 KB of shared memory per block");
+};
+
+// Threads of the split-combine kernel (one block per (token, head)).
+constexpr int kTreeVerifyMergeThreads = 64;
+
+template <int D, int kRows, int kRegs>
+constexpr LaunchShape tree_verify_instance_shape() {
+  using Cfg = TileConfig<D, kRows>;
+  return LaunchShape{D, kRows, Cfg::kThreads, Cfg::kSmemBytes, kRegs, Cfg::kMinCtasPerSm};
+}
+
+// The compiled configuration (head_dim, rows per CTA); block_m 0 when there is none.
+constexpr LaunchShape tree_verify_config_shape(int head_dim, int block_m) {
+#define SPEC_KERNELS_TV_SHAPE(D, ROWS, REGS) \
+  if (head_dim == D && block_m == ROWS) return tree_verify_instance_shape<D, ROWS, REGS>();
+  SPEC_KERNELS_TREE_VERIFY_CONFIGS(SPEC_KERNELS_TV_SHAPE)
+#undef SPEC_KERNELS_TV_SHAPE
+  return LaunchShape{head_dim, 0, 0, 0, 0, 0};
+}
+
+// The configuration a launch takes (block_m 0: head_dim has none). At D = 128: 128 rows per CTA
+// for more than 64 rows (each K/V tile read once for all of them), and 32 for at most 16 rows
+// where two such CTAs fit on an SM and two 64-row ones do not (smem_per_sm: the device's shared
+// memory per SM, smem_reserved_per_cta: what the runtime keeps of it per CTA); else 64.
+constexpr LaunchShape tree_verify_launch_shape(int head_dim, int max_rows, int smem_per_sm,
+                                               int smem_reserved_per_cta) {
+  int block_m = kTreeVerifyBlockM;
+  if (head_dim == 128 && max_rows > kTreeVerifyBlockM) {
+    block_m = 128;
+  } else if (head_dim == 128 && max_rows <= 16) {
+    const int large = TileConfig<128>::kSmemBytes + smem_reserved_per_cta;
+    const int small = TileConfig<128, 32>::kSmemBytes + smem_reserved_per_cta;
+    if (2 * large > smem_per_sm && 2 * small <= smem_per_sm) block_m = 32;
+  }
+  return tree_verify_config_shape(head_dim, block_m);
+}
+
+}  // namespace spec_kernels

@@ -1,0 +1,119 @@
+"""python -m spec_kernels.bench plan: the KV-split plan (spec_kernels.attention.plan) of the
+benchmarks' shapes on a named GPU, as the CUDA or Triton launchers of both attention families
+would plan them.
+
+    python -m spec_kernels.bench plan --gpu h200|rtx-pro-6000 [--impl triton] [--grid tree-verify]
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Sequence
+
+from ..attention.plan import (
+    DEVICES,
+    MAX_KV_SPLITS,
+    MIN_SPLIT_KEYS,
+    DeviceLimits,
+    KernelResources,
+    SplitPlan,
+    expected_rows,
+    max_rows,
+    mean_prefix,
+    split_plan,
+)
+from ..mla import cuda as mla_cuda
+from ..mla import triton_kernel as mla_triton
+from ..tree_verify import cuda as tv_cuda
+from ..tree_verify import triton_kernel as tv_triton
+
+
+@dataclass(frozen=True)
+class Shape:
+    model: str
+    B: int
+    heads: int  # Hq (MLA: heads)
+    kv_heads: int  # Hkv (MLA: 1)
+    head_dim: int
+    L: int  # prefix keys per request
+    n: int  # draft tokens per request (1: plain decode)
+    mla: bool = False
+
+
+def benchmark_shapes(grid: str = "decode-step") -> list[Shape]:
+    """The benchmarks' GPU grids (preset `gpu`). "decode-step" (benchmarks/decode_step_models.py):
+    per-rank attention of its models at every B and n (n = 1: plain decode), L = 2048.
+    "tree-verify" (benchmarks/test_tree_verify.py, benchmarks/_timing.py): GQA 32/4 and 32/8,
+    D = 128, B in 1..64, L in 1024..32768, n in 1..64."""
+    if grid == "tree-verify":
+        return [Shape(f"gqa-{hq}/{hkv}", B, hq, hkv, 128, L, n)
+                for hq, hkv in ((32, 4), (32, 8)) for n in (1, 16, 32, 64)
+                for L in (1024, 4096, 16384, 32768) for B in (1, 8, 32, 64)]
+    if grid != "decode-step":
+        raise ValueError(f"grid must be 'decode-step' or 'tree-verify', got {grid!r}")
+    models = [("llama-3.1-8b-tp1", 32, 8, 128, False), ("llama-3.3-70b-tp8", 8, 1, 128, False),
+              ("deepseek-v3-tp8", 16, 1, 576, True), ("kimi-k2.5-tp8", 8, 1, 576, True)]
+    return [Shape(m, B, hq, hkv, d, 2048, n, mla)
+            for m, hq, hkv, d, mla in models
+            for n in (1, 4, 8, 16, 32)
+            for B in (1, 2, 5, 10, 30, 70, 100, 250)]
+
+
+def _triton_tile(shape: Shape, limits: DeviceLimits) -> tuple[int, KernelResources]:
+    """BLOCK_M and resources of the Triton launch (bf16), as its launcher plans them."""
+    rows = max_rows(shape.B * shape.n, shape.heads // shape.kv_heads, shape.n == 1, shape.n)
+    if shape.mla:
+        block_m = mla_triton.default_block_m(rows)
+        return block_m, mla_triton.triton_mla_resources(block_m, shape.head_dim, 2)
+    block_m = tv_triton.default_block_m(rows, shape.head_dim)
+    return block_m, tv_triton.planned_resources(block_m, shape.head_dim, shape.head_dim, 2, False)
+
+
+def plan_shape(shape: Shape, limits: DeviceLimits, impl: str = "cuda") -> tuple[int, SplitPlan]:
+    """(BLOCK_M, plan) of one benchmark shape, as the launcher would plan it on `limits`."""
+    group = shape.heads // shape.kv_heads
+    decode = shape.n == 1
+    T = shape.B * shape.n
+    grid_rows = max_rows(T, group, decode, shape.n)
+    rows = expected_rows(T, shape.B, group, decode, shape.n)
+    if impl == "cuda":
+        if shape.mla:
+            block_m = mla_cuda.block_m(grid_rows)
+            kernel = mla_cuda.cuda_mla_resources(block_m)
+        else:
+            block_m = tv_cuda.cuda_tree_verify_block_m(shape.head_dim, grid_rows, limits)
+            kernel = tv_cuda.cuda_tree_verify_resources(shape.head_dim, block_m)
+    else:
+        block_m, kernel = _triton_tile(shape, limits)
+    prefix = mean_prefix(shape.B * (shape.L + shape.n), shape.B, rows, group)  # kv_indices: L + n slots each
+    return block_m, split_plan(limits, kernel, shape.B, shape.kv_heads, rows, block_m, prefix)
+
+
+def format_table(shapes: Sequence[Shape], limits: DeviceLimits, impl: str) -> str:
+    lines = [f"{limits.name}: {limits.sms} SMs; {impl} kernels; MIN_SPLIT_KEYS={MIN_SPLIT_KEYS}, "
+             f"MAX_KV_SPLITS={MAX_KV_SPLITS}",
+             f"{'model':<18} {'B':>4} {'n':>3} {'heads':>6} {'D':>4} {'L':>6} {'BM':>4} {'CTAs':>5} "
+             f"{'/SM':>4} {'slots':>5} {'splits':>6} {'waves':>5} {'eff':>5}  bound"]
+    for s in shapes:
+        block_m, p = plan_shape(s, limits, impl)
+        lines.append(f"{s.model:<18} {s.B:>4} {s.n:>3} {f'{s.heads}/{s.kv_heads}':>6} {s.head_dim:>4} {s.L:>6} "
+                     f"{block_m:>4} {p.ctas:>5} {p.per_sm:>4} {p.slots:>5} {p.splits:>6} {p.waves:>5} "
+                     f"{p.efficiency:>5.2f}  {p.limit}")
+    return "\n".join(lines)
+
+
+def add_parser(commands) -> None:
+    ap = commands.add_parser("plan", help="the KV-split plan of the benchmark shapes on a named GPU",
+                             description="KV-split plan of the benchmark shapes on a named GPU: rows per CTA, "
+                                         "CTAs, resident CTAs per SM, splits, waves and wave efficiency.")
+    ap.add_argument("--gpu", choices=sorted(DEVICES), default="h200")
+    ap.add_argument("--impl", choices=("cuda", "triton"), default="cuda")
+    ap.add_argument("--grid", choices=("decode-step", "tree-verify"), default="decode-step",
+                    help="the decode-step benchmark's models (default) or the tree-verify kernel benchmark's grid")
+    ap.add_argument("--model", default="", help="only the shapes of this model preset")
+    ap.set_defaults(run=run)
+
+
+def run(opts) -> int:
+    shapes = [s for s in benchmark_shapes(opts.grid) if not opts.model or s.model == opts.model]
+    print(format_table(shapes, DEVICES[opts.gpu], opts.impl))
+    return 0

@@ -1,0 +1,188 @@
+"""The CUDA attention kernels' launch configurations are defined once, in the C++
+(csrc/include/spec_kernels/tree_verify_config.h, mla_config.h), and Python reads them from the
+built extension: every compiled configuration is reachable by the launch rule the planner asks
+for, the planner's resources are the compiled ones, the exported launch rule refuses bad
+arguments, and the parameter structs the PTX glue parses from the headers have the extension's
+sizes."""
+import ctypes
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from spec_kernels import _ops
+from spec_kernels.attention.plan import DEVICES
+from spec_kernels.mla import cuda as mla_cuda
+from spec_kernels.tree_verify import cuda as tv_cuda
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from tests.ptx.shipped import header_struct  # noqa: E402
+
+ROWS = range(1, 1025)  # every max_rows up to 16 drafts x 64 heads
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _extension():
+    if _ops.extension_error() is not None:
+        pytest.skip(f"the CUDA extension is not built: {_ops.extension_error()}")
+
+
+def unreachable(configs, choose) -> set:
+    """The (head_dim, block_m) of `configs` that `choose(head_dim, rows, limits)` never returns
+    over ROWS and the named GPUs."""
+    reached = {(c.head_dim, choose(c.head_dim, rows, limits))
+               for c in configs for rows in ROWS for limits in DEVICES.values()}
+    return {(c.head_dim, c.block_m) for c in configs} - reached
+
+
+def _configs(kernel):
+    return [c for c in _ops.kernel_configs() if c.kernel == kernel]
+
+
+def test_every_tree_verify_configuration_is_reachable_from_the_planner():
+    configs = _configs(tv_cuda.KERNEL)
+    assert {(c.head_dim, c.block_m) for c in configs} >= {(64, 64), (128, 64), (256, 64), (128, 32), (128, 128)}
+    assert unreachable(configs, tv_cuda.cuda_tree_verify_block_m) == set()
+
+
+def test_every_mla_configuration_is_reachable_from_the_planner():
+    configs = _configs(mla_cuda.KERNEL)
+    assert {c.block_m for c in configs} == {16, 32, 64}
+    assert unreachable(configs, lambda d, rows, limits: mla_cuda.block_m(rows)) == set()
+
+
+def test_the_reachability_check_catches_a_configuration_no_launch_takes():
+    # A configuration compiled into the list but never chosen by the launch rule (here: 64 rows
+    # at D = 96, a head dim the rule has no configuration for) is reported.
+    extra = _ops.LaunchShape(96, 64, 128, 1024, 128, 1, tv_cuda.KERNEL, "96,64")
+    assert unreachable(_configs(tv_cuda.KERNEL) + [extra], tv_cuda.cuda_tree_verify_block_m) == {(96, 64)}
+
+
+def test_the_planner_uses_the_compiled_resources():
+    for c in _configs(tv_cuda.KERNEL):
+        r = tv_cuda.cuda_tree_verify_resources(c.head_dim, c.block_m)
+        assert (r.threads, r.regs_per_thread, r.smem_bytes) == (c.threads, c.regs, c.smem_bytes)
+    for c in _configs(mla_cuda.KERNEL):
+        r = mla_cuda.cuda_mla_resources(c.block_m)
+        assert (r.threads, r.regs_per_thread, r.smem_bytes) == (c.threads, c.regs, c.smem_bytes)
+    for c in _ops.kernel_configs():
+        assert c.smem_bytes <= 99 * 1024 and c.threads % 32 == 0 and 0 < c.regs <= 255
+
+
+def test_a_head_dim_without_a_configuration():
+    assert _ops.tree_verify_launch_config(96, 8, 100 * 1024, 1024).block_m == 0
+    with pytest.raises(ValueError, match="head_dim=96"):
+        tv_cuda.cuda_tree_verify_resources(96)
+    q = torch.zeros(1, 1, 96, dtype=torch.float16)
+    assert "head dim 96" in tv_cuda.supports(q, torch.zeros(1, 1, 96), torch.zeros(1, 1, 96))
+
+
+@pytest.mark.parametrize("args,name", [((128, 0, 1024, 0), "max_rows"), ((128, 8, -1, 0), "smem_per_sm"),
+                                       ((128, 8, 1024, -5), "smem_reserved_per_cta"), ((-1, 8, 0, 0), "head_dim")])
+def test_the_exported_launch_rule_refuses_bad_arguments(args, name):
+    with pytest.raises(RuntimeError, match=name):
+        torch.ops.spec_kernels_cuda.tree_verify_launch_config(*args)
+    with pytest.raises(RuntimeError, match="max_rows"):
+        torch.ops.spec_kernels_cuda.mla_launch_config(0)
+
+
+@pytest.mark.parametrize("name", ["TreeVerifyParams", "MlaParams", "IndexTensor", "KvSlotBatch", "KvCommitArgs"])
+def test_parsed_parameter_structs_have_the_compiled_size(name):
+    assert ctypes.sizeof(header_struct(name)) == _ops.compiled_constants()[f"sizeof({name})"]
+
+
+# --------------------------------------------------------------------------- the launch rule, compiled
+_DRIVER = r"""
+#include <cstdio>
+#include "spec_kernels/tree_verify_config.h"
+#include "spec_kernels/mla_config.h"
+int main() {
+  const int dims[] = {64, 96, 128, 256};
+  const int smem[][2] = {%SMEM%};
+  for (int d : dims)
+    for (int rows = 1; rows <= 130; ++rows)
+      for (const auto& s : smem) {
+        const auto c = spec_kernels::tree_verify_launch_shape(d, rows, s[0], s[1]);
+        std::printf("tv %d %d %d %d %d %d %d\n", d, rows, s[0], s[1], c.block_m, c.threads, c.smem_bytes);
+      }
+  for (int rows = 1; rows <= 130; ++rows) {
+    const auto c = spec_kernels::mla_launch_shape(rows);
+    std::printf("mla %d %d %d %d\n", rows, c.block_m, c.threads, c.smem_bytes);
+  }
+}
+"""
+SMEM_CASES = [(0, 0)] + [(d.smem_per_sm, d.smem_reserved_per_cta) for d in DEVICES.values()]
+REPO = Path(__file__).resolve().parents[1]
+
+
+def launch_rule_table(tmp_path, patch=None) -> dict:
+    """The launch rule of the configuration headers compiled with the host C++ compiler, over
+    head dims x rows 1..130 x the named GPUs' shared memory: {("tv", d, rows, per_sm, reserved) or
+    ("mla", rows): (block_m, threads, smem_bytes)}. patch = (header, old, new) compiles a mutant."""
+    import shutil
+    import subprocess
+
+    from tools.ptxsim.build import find_nvcc
+
+    cxx, nvcc = shutil.which("c++") or shutil.which("g++"), find_nvcc()
+    if cxx is None or nvcc is None:
+        pytest.skip("needs a host C++ compiler and the CUDA headers (nvcc)")
+    include = tmp_path / "include"
+    shutil.copytree(REPO / "csrc" / "include", include)
+    if patch is not None:
+        header, old, new = patch
+        text = (include / "spec_kernels" / header).read_text()
+        assert text.count(old) == 1, f"{header}: the mutated text must occur once"
+        (include / "spec_kernels" / header).write_text(text.replace(old, new))
+    src = tmp_path / "rule.cpp"
+    src.write_text(_DRIVER.replace("%SMEM%", ", ".join(f"{{{a}, {b}}}" for a, b in SMEM_CASES)))
+    cuda_include = Path(nvcc).resolve().parent.parent / "include"
+    subprocess.run([cxx, "-std=c++17", "-O0", f"-I{include}", f"-I{cuda_include}", str(src), "-o",
+                    str(tmp_path / "rule")], check=True, capture_output=True, text=True)
+    out = subprocess.run([str(tmp_path / "rule")], check=True, capture_output=True, text=True).stdout
+    table = {}
+    for line in out.splitlines():
+        kind, *vals = line.split()
+        vals = [int(v) for v in vals]
+        key = (kind, *vals[:4]) if kind == "tv" else (kind, vals[0])
+        table[key] = tuple(vals[4:] if kind == "tv" else vals[1:])
+    return table
+
+
+def check_launch_rule(table) -> None:
+    """What the launch rule promises (docs/design.md, tree_verify_config.h), on the table."""
+    h200, rtx = [(d.smem_per_sm, d.smem_reserved_per_cta) for d in (DEVICES["h200"], DEVICES["rtx-pro-6000"])]
+    bm = {k: v[0] for k, v in table.items()}
+    for rows in range(1, 131):
+        for smem in SMEM_CASES:
+            assert bm[("tv", 64, rows, *smem)] == bm[("tv", 256, rows, *smem)] == 64  # one configuration
+            assert bm[("tv", 96, rows, *smem)] == 0  # no configuration
+            want = 128 if rows > 64 else 32 if rows <= 16 and smem == rtx else 64
+            assert bm[("tv", 128, rows, *smem)] == want, (rows, smem)
+        assert bm[("mla", rows)] == (16 if rows <= 16 else 32 if rows <= 32 else 64)
+    assert table[("tv", 128, 65, *h200)][1:] == (256, 98 * 1024)  # 8 warps, the 64-row stages
+
+
+def test_the_compiled_launch_rule_is_the_extensions(tmp_path):
+    table = launch_rule_table(tmp_path)
+    check_launch_rule(table)
+    for key, (block_m, threads, smem) in table.items():
+        got = (_ops.tree_verify_launch_config(*key[1:]) if key[0] == "tv" else _ops.mla_launch_config(key[1]))
+        assert (got.block_m, got.threads if block_m else 0, got.smem_bytes if block_m else 0) == (
+            block_m, threads if block_m else 0, smem if block_m else 0), key
+
+
+LAUNCH_RULE_MUTANTS = {
+    "wide_at_64_rows": ("tree_verify_config.h", "max_rows > kTreeVerifyBlockM", "max_rows >= kTreeVerifyBlockM"),
+    "small_up_to_32_rows": ("tree_verify_config.h", "max_rows <= 16", "max_rows <= 32"),
+    "small_everywhere": ("tree_verify_config.h", "2 * large > smem_per_sm && ", ""),
+    "mla_rows_swapped": ("mla.h", "max_rows <= 16 ? 16 : max_rows <= 32 ? 32 : 64",
+                         "max_rows <= 16 ? 16 : max_rows <= 48 ? 32 : 64"),
+}
+
+
+@pytest.mark.parametrize("name", sorted(LAUNCH_RULE_MUTANTS))
+def test_launch_rule_mutant_is_caught(tmp_path, name):
+    with pytest.raises(AssertionError):
+        check_launch_rule(launch_rule_table(tmp_path, LAUNCH_RULE_MUTANTS[name]))
