@@ -53,6 +53,8 @@ cd "$WORK"
 echo "== build (as scripts/gpu_check.sh: pip install --no-build-isolation -e .)"
 MAX_JOBS=${MAX_JOBS:-2} "$VENV/bin/python" -m pip install -q --no-build-isolation --no-deps --no-index -e . \
   > build.log 2>&1 || { tail -40 build.log; exit 1; }
+"$VENV/bin/python" -m pip install -q --no-build-isolation --no-deps --no-index -e tools/ptxsim \
+  >> build.log 2>&1 || { tail -40 build.log; exit 1; }
 "$VENV/bin/python" -m spec_kernels.info | grep -E "^CUDA extension" || true
 
 # SGLang's Triton extend attention (the tree-verify anchor) from staged sources, as gpu_check.sh uses it.

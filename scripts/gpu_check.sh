@@ -84,8 +84,9 @@ fi
 cd "$(dirname "$0")/.."
 REPO=$(pwd)
 BUDGET=${GPU_CHECK_BUDGET_S:-450}
-# The in-place build fallback leaves the extension in the source tree: import the package from here.
-export PYTHONPATH="$REPO${PYTHONPATH:+:$PYTHONPATH}"
+# The in-place build fallback leaves the extension in the source tree: import the package from here;
+# tools/ptxsim (the PTX interpreter package the collected tests/ptx modules import) from its source.
+export PYTHONPATH="$REPO:$REPO/tools/ptxsim${PYTHONPATH:+:$PYTHONPATH}"
 export OUTDIR REPO PY
 printf 'step\trc\tseconds\tlog\n' > "$OUTDIR/steps.tsv"
 

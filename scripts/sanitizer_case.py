@@ -1,12 +1,10 @@
 """One representative case of every CUDA kernel, for `compute-sanitizer --tool memcheck`
 (run by scripts/gpu_check.sh). Exits non-zero when a kernel disagrees with the reference."""
-import sys
 
 import torch
 
-sys.path.insert(0, "tests")
-import spec_kernels  # noqa: E402
-from tree_cases import make_case  # noqa: E402
+import spec_kernels
+from spec_kernels.testing import make_case
 
 
 def main() -> None:

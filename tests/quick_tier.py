@@ -3,7 +3,7 @@
 Outside tests/ptx every test is quick except those listed in NOT_QUICK (servers, compiles of every
 configuration, several processes, long random sequences) and the e2e-marked ones. Inside tests/ptx
 (each case runs compiled PTX in the interpreter) only PTX_QUICK is: one case per CUDA kernel and
-configuration family, plus the interpreter's own semantics. An entry names a file, a test function
+configuration family (the interpreter's own tests, tools/ptxsim/tests, are quick). An entry names a file, a test function
 (all its parameters) or one parametrized case; tests/test_tiers.py fails on an entry that
 matches nothing, so a renamed test cannot drop out of the tier unnoticed.
 """
@@ -43,8 +43,6 @@ CUDA_KERNEL_TESTS = {
 }
 
 PTX_QUICK = (
-    "tests/ptx/test_ptxsim_semantics.py",
-    "tests/ptx/test_mma_numerics.py",
     "tests/ptx/test_tree_mask_ptx.py",
     "tests/ptx/test_norm_ptx.py::test_matches_reference",
     "tests/ptx/test_tree_verify_ptx.py::test_tree_verify_matches_reference[case0]",
@@ -61,7 +59,6 @@ PTX_QUICK = (
     "tests/ptx/test_allreduce_ptx.py::test_consecutive_calls_match_reference[twoshot-2-fp16]",
     "tests/ptx/test_triton_ptx.py::test_tree_verify_split_kv_and_merge[fp16]",
     "tests/ptx/test_triton_ptx.py::test_fused_add_rmsnorm[fp16-4096]",
-    "tests/ptx/test_ptx_census.py::test_census_counts_instructions_only",
 )
 
 

@@ -4,7 +4,7 @@ import pytest
 import torch
 
 import spec_kernels
-from tree_cases import make_case
+from spec_kernels.testing import make_case
 
 
 @pytest.fixture

@@ -27,7 +27,7 @@ from spec_kernels.tree_verify import reference as tv_ref
 from spec_kernels.attention.plan import MAX_KV_SPLITS
 from fuzz_common import (Bad, assert_same_results, check_outcome, clone_value, fuzz_by_kind, new_size, other_rank,
                          poison, resized, strided_copy, wrong_dtype)
-from tree_cases import TREE_KINDS, make_case
+from spec_kernels.testing import TREE_KINDS, make_case
 
 IMPLS = ["reference", "triton"]
 # examples per (op, corruption kind, impl); SPEC_KERNELS_FUZZ_EXAMPLES=<n> overrides them all

@@ -184,7 +184,7 @@ def test_same_build_beyond_noise_warns_that_the_measurements_are_noisy(tmp_path,
 
 
 def test_zero_valued_counters_compare_equal_and_growth_from_zero_fails(tmp_path, capsys):
-    """Interpreter counters (tools/ptxsim/report.py) can be 0: 0 -> 0 is no change, 0 -> n is SLOWER."""
+    """Interpreter counters (tools/ptx_harness/report.py) can be 0: 0 -> 0 is no change, 0 -> n is SLOWER."""
     doc = copy.deepcopy(OLD)
     doc["benchmarks"] = [bench("ptxsim::k[s]::bank_conflicts", 0), bench("ptxsim::k[s]::warp_instructions", 100)]
     old, same = files(tmp_path, doc)

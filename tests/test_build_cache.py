@@ -1,5 +1,5 @@
 """spec_kernels/_build_cache.py: the cache root and the content keys the extension build
-(setup.py) and the PTX compiles (tools/ptxsim/build.py) store their artifacts under."""
+(setup.py) and the PTX compiles (tools/ptx_harness/build.py) store their artifacts under."""
 import shutil
 
 from spec_kernels import _build_cache

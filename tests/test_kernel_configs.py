@@ -17,7 +17,7 @@ from spec_kernels.mla import cuda as mla_cuda
 from spec_kernels.tree_verify import cuda as tv_cuda
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from tests.ptx.shipped import header_struct  # noqa: E402
+from tools.ptx_harness.shipped import header_struct  # noqa: E402
 
 ROWS = range(1, 1025)  # every max_rows up to 16 drafts x 64 heads
 
@@ -123,7 +123,7 @@ def launch_rule_table(tmp_path, patch=None) -> dict:
     import shutil
     import subprocess
 
-    from tools.ptxsim.build import find_nvcc
+    from tools.ptx_harness.build import find_nvcc
 
     cxx, nvcc = shutil.which("c++") or shutil.which("g++"), find_nvcc()
     if cxx is None or nvcc is None:

@@ -15,7 +15,7 @@ from spec_kernels.bench import plan as bp
 from spec_kernels.mla import cuda as mla_cuda
 from spec_kernels.tree_verify import cuda as tv_cuda
 from spec_kernels.tree_verify import triton_kernel
-from tree_cases import make_case
+from spec_kernels.testing import make_case
 
 ROOT = Path(__file__).resolve().parents[1]
 GPUS = sorted(ap.DEVICES)

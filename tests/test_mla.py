@@ -14,7 +14,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 import spec_kernels
 from spec_kernels.mla import mla_decode_attention, mla_tree_verify_attention, triton_kernel
 from spec_kernels.mla.api import MLA
-from tree_cases import ancestor_mask_bits, mask_visible_slots, random_parents, visible_slots
+from spec_kernels.testing import ancestor_mask_bits, mask_visible_slots, random_parents, visible_slots
 
 ATOL = 2e-3  # fp32 compute
 

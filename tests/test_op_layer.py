@@ -10,7 +10,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 
 import spec_kernels
 from spec_kernels import _ops
-from tree_cases import make_case
+from spec_kernels.testing import make_case
 
 
 @pytest.fixture

@@ -8,7 +8,7 @@ import torch
 import spec_kernels
 from spec_kernels import TreeVerifyPlan
 from spec_kernels.mla import MlaPlan
-from tree_cases import make_case
+from spec_kernels.testing import make_case
 
 IMPLS = ["reference", "triton"]
 

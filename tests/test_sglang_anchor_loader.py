@@ -27,7 +27,7 @@ SCRIPT = textwrap.dedent("""
     import _sglang_kernels
     import spec_kernels
     sys.path.insert(0, os.path.join(os.environ["ROOT"], "tests"))
-    from tree_cases import make_case
+    from spec_kernels.testing import make_case
 
     assert _sglang_kernels.unavailable_reason() is None, _sglang_kernels.unavailable_reason()
     fwd = _sglang_kernels.extend_attention_fwd()

@@ -39,7 +39,7 @@ from sglang.test.kits.attention_unittest.attention_methods.dense_attention impor
 
 from spec_kernels.sglang import plugin  # noqa: E402
 from spec_kernels.sglang.backend import SpecFusedAttnBackend, SpecFusedUnsupported  # noqa: E402
-from tree_cases import random_parents  # noqa: E402
+from spec_kernels.testing import random_parents  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # Without a GPU both backends run under the Triton interpreter (conftest.py sets it).

@@ -12,7 +12,7 @@ import torch
 
 import spec_kernels
 from spec_kernels.sglang import masks, plugin
-from tree_cases import random_parents
+from spec_kernels.testing import random_parents
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -20,7 +20,7 @@ def _collect(*args) -> list[str]:
     out = subprocess.run([sys.executable, "-m", "pytest", "--collect-only", "-q", "-p", "no:cacheprovider", *args],
                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
-    return [line for line in out.stdout.splitlines() if line.startswith("tests/")]
+    return [line for line in out.stdout.splitlines() if line.startswith(("tests/", "tools/"))]
 
 
 @pytest.fixture(scope="module")

@@ -3,7 +3,7 @@ import pytest
 import torch
 
 import spec_kernels
-from tree_cases import TREE_KINDS, ancestor_mask_bits, random_parents
+from spec_kernels.testing import TREE_KINDS, ancestor_mask_bits, random_parents
 
 
 def _batch(ns, kind, seed, dtype=torch.int64):

@@ -5,7 +5,7 @@ import torch
 
 import spec_kernels
 from spec_kernels.tree_verify import reference, triton_kernel
-from tree_cases import make_case, mask_visible_slots, naive_attention
+from spec_kernels.testing import make_case, mask_visible_slots, naive_attention
 
 ATOL = 2e-3  # the bound for fp32 compute
 

@@ -4,7 +4,7 @@ from the SASS ptxas produces, without a GPU.
 
 For every kernel entry (every template instance) of csrc/tree_verify/tree_verify_attention.cu and
 csrc/mla/mla_tree_verify_attention.cu, for each --arch, the .cu is compiled to a cubin with the
-extension's own nvcc flags (tools/ptxsim/build.py: nvcc_flags(arch), with -cubin instead of -ptx)
+extension's own nvcc flags (tools/ptx_harness/build.py: nvcc_flags(arch), with -cubin instead of -ptx)
 in a temporary directory, then read back with cuobjdump (-res-usage and -sass; the one shipped in
 the Triton wheel, triton/backends/nvidia/bin, or the toolkit's). Reported per kernel and arch:
 
@@ -63,7 +63,7 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if REPO not in sys.path:
     sys.path.insert(0, REPO)
 
-from tools.ptxsim.build import (CUDA_ARCHS, cache_dir, compile_key, find_nvcc, headers_digest,  # noqa: E402
+from tools.ptx_harness.build import (CUDA_ARCHS, cache_dir, compile_key, find_nvcc, headers_digest,  # noqa: E402
                                 nvcc_flags, nvcc_version, write_atomic)
 
 SOURCES = ("csrc/tree_verify/tree_verify_attention.cu", "csrc/mla/mla_tree_verify_attention.cu")

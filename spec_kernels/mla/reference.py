@@ -17,7 +17,7 @@ from typing import Optional
 
 import torch
 
-from ..tree_verify import reference as tree_reference
+from ..attention import reference as attention_reference
 
 
 def mla_tree_verify_attention(
@@ -35,7 +35,7 @@ def mla_tree_verify_attention(
 ) -> None:
     """q [T, H, D], kv_cache [S, D] -> out [T, H, v_head_dim] (and lse [T, H]), in fp32.
     qo_indptr=None is plain decode (one query per request sees all its slots). Non-finite
-    values and invalid (unchecked) indices as in spec_kernels.tree_verify.reference."""
+    values and invalid (unchecked) indices as in spec_kernels.attention.reference."""
     kv = kv_cache.unsqueeze(1)  # [S, 1, D]: the one KV head every query head reads
-    tree_reference.tree_verify_attention(q, kv, kv[..., :v_head_dim], kv_indptr, kv_indices, qo_indptr,
-                                         tree_mask, sm_scale, out, lse, max_draft_tokens)
+    attention_reference.tree_verify_attention(q, kv, kv[..., :v_head_dim], kv_indptr, kv_indices, qo_indptr,
+                                              tree_mask, sm_scale, out, lse, max_draft_tokens)

@@ -1,7 +1,9 @@
-"""tests/ptx: the PTX interpreter (tools/ptxsim) and the census of the PTX the kernels compile to.
+"""tests/ptx: the kernels' compiled PTX run in the PTX interpreter (the `ptxsim` package,
+tools/ptxsim), through the project's harness (tools/ptx_harness), and the census of that PTX.
 
-Puts the repository root on sys.path (the tests import tools.ptxsim) and marks every test here
-with the `ptx` marker, so `pytest -m ptx` runs exactly this directory and `-m "not ptx"` skips it.
+Puts the repository root on sys.path (the tests import tools.ptx_harness) and marks every test
+here and in ptxsim's own tests (tools/ptxsim/tests) with the `ptx` marker, so `pytest -m ptx`
+runs exactly those and `-m "not ptx"` skips them.
 """
 import os
 import sys
@@ -10,13 +12,14 @@ import pytest
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(os.path.dirname(HERE))
+PTXSIM_TESTS = os.path.join(ROOT, "tools", "ptxsim", "tests")
 if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
 
 
 def pytest_collection_modifyitems(config, items):
     for item in items:
-        if os.path.abspath(str(item.fspath)).startswith(HERE + os.sep):
+        if os.path.abspath(str(item.fspath)).startswith((HERE + os.sep, PTXSIM_TESTS + os.sep)):
             item.add_marker(pytest.mark.ptx)
 
 
@@ -27,5 +30,5 @@ def pytest_runtest_setup(item):
 
 
 def _nvcc():
-    from tools.ptxsim.build import find_nvcc
+    from ptxsim.nvcc import find_nvcc
     return find_nvcc()

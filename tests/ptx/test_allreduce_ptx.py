@@ -1,5 +1,5 @@
 """The compiled sm_120a allreduce kernels (csrc/allreduce/fused_allreduce.cu) on 2 and 4 simulated
-GPUs sharing their IPC buffers (tests/ptx/allreduce_glue.py), against the reference: the sum over
+GPUs sharing their IPC buffers (tools/ptx_harness/allreduce_glue.py), against the reference: the sum over
 ranks in rank order in fp32, rounded once, then spec_kernels.fused_add_rmsnorm(impl="reference").
 
 What these tests show, and what only tools/kernel_emulators/allreduce.py shows. Here the PTX that
@@ -35,9 +35,8 @@ import torch
 
 import spec_kernels
 
-from tools.ptxsim.memory import SimError
 
-from allreduce_glue import (ALGORITHMS, K_BLOCKS_MISMATCH, K_MAX_BLOCKS, K_SIZE_MISMATCH, K_TIMEOUT, PUSH_ALGORITHMS,
+from tools.ptx_harness.allreduce_glue import (ALGORITHMS, K_BLOCKS_MISMATCH, K_MAX_BLOCKS, K_SIZE_MISMATCH, K_TIMEOUT, PUSH_ALGORITHMS,
                              SENTINEL_PAIR, ErrorWord, Params, RankInput, SimRanks, check_params_match_ptx,
                              message_header)
 

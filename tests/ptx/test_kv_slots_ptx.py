@@ -27,7 +27,7 @@ from test_kv_slots_invariants import (Draw, Sim, _double_commit_sim, alloc_from_
                                       commit_never_allocated, host_checks, random_path, release_request,
                                       replay_commit)
 
-from cuda_glue import PtxCudaOps  # noqa: E402
+from tools.ptx_harness.cuda_glue import PtxCudaOps  # noqa: E402
 
 IMPLS = [("reference", "cpu"), ("cuda", "cpu")]
 KV_OPS = ("alloc_draft_slots", "commit_draft_slots")

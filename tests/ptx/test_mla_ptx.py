@@ -15,8 +15,8 @@ import math
 import pytest
 import torch
 
-from tools.ptxsim import build
-from tree_cases import ancestor_mask_bits, random_parents
+from tools.ptx_harness import build
+from spec_kernels.testing import ancestor_mask_bits, random_parents
 
 import spec_kernels.mla.cuda as mla_cuda
 from spec_kernels.mla import reference
@@ -37,7 +37,7 @@ HALF_ULP = {torch.bfloat16: 2.0 ** -8, torch.float16: 2.0 ** -11}
 
 @pytest.fixture
 def ops(monkeypatch):
-    from cuda_glue import PtxCudaOps
+    from tools.ptx_harness.cuda_glue import PtxCudaOps
 
     o = PtxCudaOps()
     monkeypatch.setattr(mla_cuda, "cuda_ops", lambda: o)

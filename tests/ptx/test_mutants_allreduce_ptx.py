@@ -6,7 +6,7 @@ plus a few for protocol parts the emulator does not model (poisoned outputs, the
 expressed as a one-expression edit of the .cu (the text must occur exactly once, so a
 refactor that moves it fails here loudly instead of testing nothing). The edited source is
 compiled to sm_120a PTX and runs on 2 simulated GPUs sharing their IPC buffers
-(tests/ptx/allreduce_glue.py). Each mutant names the check that must catch it: a wrong sum
+(tools/ptx_harness/allreduce_glue.py). Each mutant names the check that must catch it: a wrong sum
 ("mismatch"), a wrong host error word ("error word": an error where the call must succeed, none
 where it must report one) or a call after a failure that still runs ("inert"); so a case that stops
 reaching the bug's path fails here too.
@@ -36,10 +36,10 @@ import numpy as np
 import pytest
 import torch
 
-from tools.ptxsim import build
-from tools.ptxsim.memory import SimError
+from tools.ptx_harness import build
+from ptxsim.memory import SimError
 
-from allreduce_glue import K_BLOCKS_MISMATCH, K_MAX_BLOCKS, KERNEL_FILE, K_TIMEOUT, REPO, RankInput, SimRanks, message_header
+from tools.ptx_harness.allreduce_glue import K_BLOCKS_MISMATCH, K_MAX_BLOCKS, KERNEL_FILE, K_TIMEOUT, REPO, RankInput, SimRanks, message_header
 import test_allreduce_ptx as ar
 
 pytestmark = pytest.mark.skipif(build.find_nvcc() is None,

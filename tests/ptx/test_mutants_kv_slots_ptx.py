@@ -31,11 +31,11 @@ from spec_kernels.kv_slots import reference  # noqa: E402
 from spec_kernels.kv_slots.api import kv_table, move_sync  # noqa: E402
 from test_kv_slots import _draft_page_free, _draft_slot_twice, make_args  # noqa: E402
 
-from tools.ptxsim import build  # noqa: E402
-from tools.ptxsim.executor import Deadlock  # noqa: E402
-from tools.ptxsim.memory import SimError  # noqa: E402
+from tools.ptx_harness import build  # noqa: E402
+from ptxsim.executor import Deadlock  # noqa: E402
+from ptxsim.memory import SimError  # noqa: E402
 
-from cuda_glue import ARCH, REPO, PtxCudaOps  # noqa: E402
+from tools.ptx_harness.cuda_glue import ARCH, REPO, PtxCudaOps  # noqa: E402
 
 pytestmark = pytest.mark.skipif(build.find_nvcc() is None,
                                 reason="nvcc not found (set CUDA_HOME): the kernels' PTX cannot be produced")

@@ -20,11 +20,11 @@ import types
 import pytest
 import torch
 
-from tools.ptxsim import build
-from tools.ptxsim.memory import SimError
+from tools.ptx_harness import build
+from ptxsim.memory import SimError
 
-import cuda_glue
-from cuda_glue import REPO, PtxCudaOps
+from tools.ptx_harness import cuda_glue
+from tools.ptx_harness.cuda_glue import REPO, PtxCudaOps
 import spec_kernels.mla.cuda as mla_cuda
 import spec_kernels.norm.api as norm_api
 import test_mla_ptx as mla

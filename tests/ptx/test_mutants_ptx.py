@@ -14,10 +14,10 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from tree_cases import make_case  # noqa: E402
+from spec_kernels.testing import make_case  # noqa: E402
 
-from cuda_glue import REPO, PtxCudaOps  # noqa: E402
-from tools.ptxsim.memory import SimError  # noqa: E402
+from tools.ptx_harness.cuda_glue import REPO, PtxCudaOps  # noqa: E402
+from ptxsim.memory import SimError  # noqa: E402
 import test_tree_verify_ptx as tv  # noqa: E402
 
 TV = "tree_verify/tree_verify_attention.cu"

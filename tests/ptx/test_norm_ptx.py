@@ -13,7 +13,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tools.ptxsim import build
+from tools.ptx_harness import build
 
 import spec_kernels.norm.api as norm_api
 from spec_kernels.norm import reference
@@ -35,7 +35,7 @@ ATOL = {torch.bfloat16: 0.0, torch.float16: 2.0 ** -24, torch.float32: 0.0, FP8:
 
 @pytest.fixture
 def ops(monkeypatch):
-    from cuda_glue import PtxCudaOps
+    from tools.ptx_harness.cuda_glue import PtxCudaOps
 
     o = PtxCudaOps()
     monkeypatch.setattr(norm_api, "cuda_ops", lambda: o)

@@ -2,7 +2,7 @@
 import json
 
 from spec_kernels.bench.__main__ import main as bench_main
-from tools.ptxsim.report import main
+from tools.ptx_harness.report import main
 
 
 def test_report_runs_and_compares(tmp_path, capsys):

@@ -2,19 +2,15 @@
 the real binding with cuda_ops pointing at the PTX interpreter: random trees of every kind, draft
 counts 0..64 mixed, and parents that are not valid (unchecked on a GPU: the walk must stop, never
 read out of bounds)."""
-import os
-import sys
 
 import pytest
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # tests/: tree_cases
-
 from spec_kernels.tree_verify import api as tv_api  # noqa: E402
 from spec_kernels.tree_verify import reference  # noqa: E402
-from tree_cases import random_parents  # noqa: E402
+from spec_kernels.testing import random_parents  # noqa: E402
 
-from cuda_glue import PtxCudaOps  # noqa: E402
+from tools.ptx_harness.cuda_glue import PtxCudaOps  # noqa: E402
 
 
 def run(parents, qo_indptr):

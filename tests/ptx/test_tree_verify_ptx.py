@@ -8,39 +8,17 @@ input type for the PV mma and rounds the output once, so |err| <= ~2 ulp of the 
 output's magnitude (|out| < 4 here): 2e-2 for bf16 (ulp 2^-8 at 1..2), 5e-3 for fp16 (2^-10).
 lse is computed in fp32 from fp32 logits: 1e-4.
 """
-import os
-import sys
-
 import pytest
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # tests/: tree_cases
+import spec_kernels
+from spec_kernels.tree_verify import cuda as tv_cuda
+from spec_kernels.testing import make_case
 
-import spec_kernels  # noqa: E402
-from spec_kernels.tree_verify import cuda as tv_cuda  # noqa: E402
-from tree_cases import make_case  # noqa: E402
-
-from cuda_glue import PtxCudaOps  # noqa: E402
+from tools.ptx_harness.cuda_glue import PtxCudaOps
+from tools.ptx_harness.cuda_glue import run_tree_verify as run_ptx
 
 TOL = {torch.bfloat16: 2e-2, torch.float16: 5e-3}
-
-
-def run_ptx(case, ops, *, decode=False, splits=0, max_draft_tokens=0):
-    T, Hq, D = case.q.shape
-    if decode:
-        T = case.kv_indptr.numel() - 1
-    q = case.q[:T]
-    out = torch.full((T, Hq, case.v_cache.shape[2]), float("nan"), dtype=q.dtype)
-    lse = torch.full((T, Hq), float("nan"))
-    saved = tv_cuda.cuda_ops
-    tv_cuda.cuda_ops = lambda: ops
-    try:
-        tv_cuda.tree_verify_attention(q, case.k_cache, case.v_cache, case.kv_indptr, case.kv_indices,
-                                      None if decode else case.qo_indptr, None if decode else case.tree_mask,
-                                      D ** -0.5, out, lse, num_kv_splits=splits, max_draft_tokens=max_draft_tokens)
-    finally:
-        tv_cuda.cuda_ops = saved
-    return out, lse
 
 
 def reference(case, decode=False):

@@ -1,5 +1,5 @@
 """The Triton kernels as Triton 3.x compiles them for sm_120 (GPUTarget("cuda", 120, 32)), run by
-the PTX interpreter through the package's own launchers (tests/ptx/triton_glue.py), against the
+the PTX interpreter through the package's own launchers (tools/ptx_harness/triton_glue.py), against the
 PyTorch reference.
 
 Covered: tree-verify forward (split-KV partials, no split, decode with the automatic split count,
@@ -28,14 +28,14 @@ import pytest
 import torch
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, os.path.dirname(HERE))  # tests/: tree_cases, test_mla, test_kv_slots_invariants
+sys.path.insert(0, os.path.dirname(HERE))  # tests/: test_mla, test_kv_slots_invariants
 sys.path.insert(0, HERE)
 
 import spec_kernels  # noqa: E402
 from spec_kernels.tree_verify import triton_kernel as tv  # noqa: E402
-from tree_cases import make_case  # noqa: E402
+from spec_kernels.testing import make_case  # noqa: E402
 
-from triton_glue import TritonPtxRunner  # noqa: E402
+from tools.ptx_harness.triton_glue import TritonPtxRunner  # noqa: E402
 
 TOL = {torch.bfloat16: 2e-2, torch.float16: 5e-3}
 HALF = [pytest.param(torch.bfloat16, id="bf16"), pytest.param(torch.float16, id="fp16")]

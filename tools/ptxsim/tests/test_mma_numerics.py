@@ -1,9 +1,9 @@
-"""Numerics of the PTX interpreter's m16n8k16 mma.sync model (tools/ptxsim/mma.py).
+"""Numerics of the PTX interpreter's m16n8k16 mma.sync model (ptxsim/mma.py).
 
 The "exact" mode must be bit-identical to MMA-Sim (PyPI `mmasim`, Microsoft's bit-accurate model
 of the tensor cores). Three independent checks:
 
-* golden files (tests/ptx/data/mma_golden_{bf16,f16}.npz): inputs and MMA-Sim 2.1.1's outputs for
+* golden files (tests/data/mma_golden_{bf16,f16}.npz): inputs and MMA-Sim 2.1.1's outputs for
   random and edge cases on sm_120, sm_90 and sm_80, written by this module's `--write-golden`
   entry point; they make the check run where mmasim is not installed;
 * live comparison against mmasim on freshly drawn cases (skipped, with the reason, when mmasim
@@ -13,7 +13,7 @@ of the tensor cores). Three independent checks:
 
 The "fast" mode is checked against "exact" for the accuracy its docstring promises.
 
-Regenerate the golden files (needs mmasim and torch): python tests/ptx/test_mma_numerics.py --write-golden
+Regenerate the golden files (needs mmasim and torch): python tests/test_mma_numerics.py --write-golden
 """
 from __future__ import annotations
 
@@ -26,14 +26,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-ROOT = Path(__file__).resolve().parents[2]
-try:
-    from tools.ptxsim.mma import ArchParams, arch_params, mma_m16n8k16
-except ImportError:  # the repository root is not on sys.path (no tests/ptx/conftest.py)
-    sys.path.insert(0, str(ROOT))
-    from tools.ptxsim.mma import ArchParams, arch_params, mma_m16n8k16
-
-pytestmark = pytest.mark.ptx
+from ptxsim.mma import ArchParams, arch_params, mma_m16n8k16
 
 DATA = Path(__file__).resolve().parent / "data"
 DTYPES = ("bf16", "f16")

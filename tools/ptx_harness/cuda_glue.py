@@ -16,13 +16,13 @@ import os
 import numpy as np
 import torch
 
-from tools.ptxsim.build import cuda_ptx, cuda_ptx_from_source
-from tools.ptxsim.executor import Launch, Machine
-from tools.ptxsim.launch import module_of, pack_params
+from tools.ptx_harness.build import cuda_ptx, cuda_ptx_from_source
+from ptxsim.executor import Launch, Machine
+from ptxsim.launch import module_of, pack_params
 
 from spec_kernels import _ops
 from spec_kernels.attention.triton_common import LOG2E
-from tests.ptx.shipped import device_smem, entry_of, header_struct, short_name, source_constant
+from tools.ptx_harness.shipped import device_smem, entry_of, header_struct, short_name, source_constant
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 ARCH = os.environ.get("PTXSIM_ARCH", "sm_120a")
@@ -357,3 +357,25 @@ class _KvRegions:
         for lo, hi, addr in self.regions:
             data = self.m.download(addr, np.uint8, (hi - lo,))
             ctypes.memmove(lo, data.ctypes.data, hi - lo)
+
+
+def run_tree_verify(case, ops, *, decode=False, splits=0, max_draft_tokens=0):
+    """A spec_kernels.testing.Case through the real tree-verify binding (spec_kernels.tree_verify.cuda)
+    with its cuda_ops pointing at `ops` (a PtxCudaOps); (out, lse), NaN where nothing was written."""
+    from spec_kernels.tree_verify import cuda as tv_cuda
+
+    T, Hq, D = case.q.shape
+    if decode:
+        T = case.kv_indptr.numel() - 1
+    q = case.q[:T]
+    out = torch.full((T, Hq, case.v_cache.shape[2]), float("nan"), dtype=q.dtype)
+    lse = torch.full((T, Hq), float("nan"))
+    saved = tv_cuda.cuda_ops
+    tv_cuda.cuda_ops = lambda: ops
+    try:
+        tv_cuda.tree_verify_attention(q, case.k_cache, case.v_cache, case.kv_indptr, case.kv_indices,
+                                      None if decode else case.qo_indptr, None if decode else case.tree_mask,
+                                      D ** -0.5, out, lse, num_kv_splits=splits, max_draft_tokens=max_draft_tokens)
+    finally:
+        tv_cuda.cuda_ops = saved
+    return out, lse

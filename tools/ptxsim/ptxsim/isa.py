@@ -2,7 +2,7 @@
 
 `unsupported(forms)` returns {form: reason} for every form the handlers in ops.py do not
 implement; it mirrors the decoder's own refusals (ops.py raises SimError on the same forms), and
-the per-instruction tests in tests/ptx exercise what it accepts."""
+the semantics tests (tests/test_semantics.py) exercise what it accepts."""
 from __future__ import annotations
 
 from typing import Iterable

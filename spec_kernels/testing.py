@@ -1,6 +1,7 @@
-"""Random tree-verify batches for the tests: random trees, scattered slots, odd sizes.
+"""Random tree-verify batches for testing attention kernels: random trees, scattered slots, odd sizes.
 
-A case is built from per-request draft counts `ns` and prefix lengths `prefixes`; every
+Used by this library's tests and its PTX-interpreter harness, and usable by code built on it
+(for example an attention backend checking its metadata against `naive_attention`). A case is built from per-request draft counts `ns` and prefix lengths `prefixes`; every
 request gets a random tree of the requested kind and its KV slots are a random subset of a
 pool larger than needed, so kernels that ignore kv_indices cannot pass.
 """

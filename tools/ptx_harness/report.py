@@ -1,9 +1,9 @@
 """Counters of simulated launches: the performance evidence available without a GPU.
 
-    python -m tools.ptxsim.report [--keys 1024] [--json out.json] [--arch sm_120a]
+    python -m tools.ptx_harness.report [--keys 1024] [--json out.json] [--arch sm_120a]
 
 Runs the compiled tree-verify kernels (and the other kernels whose host glue exists in
-tests/ptx/cuda_glue.py) on fixed shapes through the interpreter and prints, per kernel and shape:
+tools/ptx_harness/cuda_glue.py) on fixed shapes through the interpreter and prints, per kernel and shape:
 bytes read per buffer (K / V against the ideal of one read of each referenced byte), bytes
 written, dynamic warp-instructions by class, shared-memory bank conflicts per instruction (from
 the real addresses), and the longest chain of dependent global loads in the launch (kv_indptr ->
@@ -36,11 +36,10 @@ def _cases(L: int):
 
 
 def run(keys: int, arch: str):
-    sys.path[:0] = [REPO, os.path.join(REPO, "tests"), os.path.join(REPO, "tests", "ptx")]
     import torch
-    from cuda_glue import PtxCudaOps
-    from tree_cases import make_case
-    import test_tree_verify_ptx as tv
+
+    from spec_kernels.testing import make_case
+    from tools.ptx_harness.cuda_glue import PtxCudaOps, run_tree_verify
 
     rows = []
     for label, kw, decode in _cases(keys):
@@ -48,7 +47,7 @@ def run(keys: int, arch: str):
         case = make_case(ns, prefixes, dtype=torch.bfloat16, seed=1, **kw)
         ops = PtxCudaOps(arch=arch)
         t0 = time.perf_counter()
-        tv.run_ptx(case, ops, decode=decode)
+        run_tree_verify(case, ops, decode=decode)
         secs = time.perf_counter() - t0
         L = prefixes[0] + ns[0]
         kv_ideal = L * kw["d"] * 2
@@ -114,7 +113,7 @@ def _commit():
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m tools.ptxsim.report", description=__doc__.split("\n\n")[0])
+    ap = argparse.ArgumentParser(prog="python -m tools.ptx_harness.report", description=__doc__.split("\n\n")[0])
     ap.add_argument("--keys", type=int, default=1024, help="keys per request (default 1024; 256 takes ~30 s)")
     ap.add_argument("--json", help="write pytest-benchmark-compatible JSON here")
     ap.add_argument("--arch", default="sm_120a", choices=("sm_120a", "sm_90a"), help="PTX target (default sm_120a)")

@@ -1261,7 +1261,7 @@ def mma_numerics(A, B, C, in_dtype, mode, arch):
     if mma_m16n8k16 is not None:
         return mma_m16n8k16(A, B, C, in_dtype, mode=mode, arch=arch)
     if mode != "fast":
-        raise SimError("the exact mma model (tools/ptxsim/mma.py) is not available")
+        raise SimError("the exact mma model (ptxsim/mma.py) is not available")
     with np.errstate(over="ignore", invalid="ignore"):
         return (np.einsum("wik,wkj->wij", A.astype(np.float64), B.astype(np.float64)) + C).astype(np.float32)
 

@@ -1,25 +1,18 @@
-"""Census of the PTX instruction forms the project's kernels compile to.
+"""Census of the PTX instruction forms in PTX modules, and the forms the interpreter lacks.
 
 A form is an instruction's opcode with all its dot-modifiers, e.g.
 `mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32`, `ld.global.nc.v4.u32`,
 `cp.async.wait_group`. Instructions inside inline-asm `{ }` scopes count; directives (.reg, .loc,
 .shared, ...), labels, guards (@%p / @!%p) and comments do not.
 
-    python -m tools.ptxsim.census [--no-triton] [--level default] [--json OUT]
-
-prints every form with its static count in the CUDA PTX (sm_120a and sm_90a, every csrc .cu) and
-the Triton PTX (sm_120, every config the launchers can pick), where it occurs, and the forms the
-interpreter (tools.ptxsim.isa.unsupported) does not support. Exit status 1 when there are any.
+`forms(ptx)` counts them; `Source` names one module; `table(sources)` and
+`unsupported_report(sources)` summarise many (the latter against `ptxsim.isa.unsupported`).
 """
 from __future__ import annotations
 
-import argparse
 import collections
-import json
-import os
 import re
-import sys
-from typing import Iterable, Optional
+from typing import Optional
 
 # Directives that end at the end of their line (no ';'), e.g. `.loc 1 15 3`; their text can
 # contain anything, so the whole line goes before the statement scan.
@@ -181,7 +174,7 @@ def first_lines(ptx_text: str) -> dict[str, int]:
     return out
 
 
-# --------------------------------------------------------------------------- the project's PTX
+# --------------------------------------------------------------------------- many modules
 class Source:
     """One PTX module of the census: a CUDA file for one arch, or one Triton compile."""
 
@@ -190,34 +183,11 @@ class Source:
         self.forms = forms(ptx)
 
 
-def cuda_sources(archs=("sm_120a", "sm_90a"), processes: int = 2) -> list[Source]:
-    from tools.ptxsim import build
-
-    out = []
-    for r in build.cuda_ptx_all(archs, processes):
-        cu = os.path.relpath(r.source, build.REPO)
-        out.append(Source(f"cuda {r.arch}", os.path.basename(cu), f"{cu} ({r.arch})", r.ptx))
-    return out
-
-
-def triton_sources(level: str = "default", arch: int = 120, processes: int = 2) -> list[Source]:
-    from tools.ptxsim import build
-
-    return [Source(f"triton sm_{arch}", job.kernel, job.describe(), res.ptx)
-            for job, res in build.triton_ptx_all(level, arch, processes)]
-
-
-def load_unsupported():
-    """tools.ptxsim.isa.unsupported, or None when the interpreter's ISA table is not there."""
-    try:
-        from tools.ptxsim.isa import unsupported
-    except ImportError:
-        return None
-    return unsupported
-
-
-def unsupported_report(sources: list[Source], unsupported) -> list[str]:
-    """One line per unsupported form: the reason and where it occurs (module, count, first line)."""
+def unsupported_report(sources: list[Source], unsupported=None) -> list[str]:
+    """One line per unsupported form: the reason and where it occurs (module, count, first line).
+    `unsupported` defaults to ptxsim.isa.unsupported."""
+    if unsupported is None:
+        from .isa import unsupported
     total = collections.Counter()
     for s in sources:
         total.update(s.forms)
@@ -248,51 +218,3 @@ def table(sources: list[Source]) -> tuple[list[str], dict]:
         rows.append(f"| `{f}` | " + " | ".join(str(by_group[g].get(f, "")) for g in groups) + f" | {w} |")
     stats = {g: dict(distinct=len(c), static=sum(c.values())) for g, c in by_group.items()}
     return rows, dict(groups=stats, by_group={g: dict(c) for g, c in by_group.items()})
-
-
-def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--no-triton", action="store_true", help="CUDA PTX only")
-    ap.add_argument("--no-cuda", action="store_true", help="Triton PTX only")
-    ap.add_argument("--level", default="default", help="Triton case level: ci, quick, default, all")
-    ap.add_argument("--jobs", type=int, default=2, help="nvcc / Triton compile processes (default 2)")
-    ap.add_argument("--json", default=None, help="write the per-group counts as JSON here")
-    opts = ap.parse_args(argv)
-
-    sources: list[Source] = []
-    if not opts.no_cuda:
-        sources += cuda_sources(processes=opts.jobs)
-    if not opts.no_triton:
-        sources += triton_sources(opts.level, 120, opts.jobs)
-    rows, stats = table(sources)
-    print("\n".join(rows))
-    print()
-    g = stats["groups"]
-    for name, s in g.items():
-        n = sum(1 for src in sources if src.group == name)
-        print(f"{name}: {s['distinct']} distinct forms, {s['static']} static instructions in {n} PTX modules")
-    bg = {k: set(v) for k, v in stats["by_group"].items()}
-    sm120 = set().union(*(v for k, v in bg.items() if "120" in k)) if bg else set()
-    if "cuda sm_120a" in bg and "triton sm_120" in bg:
-        shared = bg["cuda sm_120a"] & bg["triton sm_120"]
-        print(f"sm_120(a), CUDA + Triton: {len(sm120)} distinct forms ({len(shared)} in both)")
-    only90 = set().union(*(v for k, v in bg.items() if "90" in k)) - sm120 if bg else set()
-    if only90:
-        print(f"only in sm_90a PTX ({len(only90)}): " + ", ".join(sorted(only90)))
-    unsupported = load_unsupported()
-    if unsupported is None:
-        print("\ntools.ptxsim.isa is not available: support not checked")
-        bad = []
-    else:
-        bad = unsupported_report(sources, unsupported)
-        print(f"\nforms the interpreter does not support: {len(bad)}")
-        for line in bad:
-            print("  " + line)
-    if opts.json:
-        with open(opts.json, "w") as f:
-            json.dump(stats, f, indent=1)
-    return 1 if bad else 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -14,8 +14,8 @@ keyed by a sha256 over what decides the output, so an edited .cu / header / kern
 unchanged one is read back. Writes go to a temporary file first and are renamed into place, so
 concurrent processes never see a partial entry.
 
-    python -m tools.ptxsim.build cuda  [--arch sm_120a,sm_90a]      # compile (or read back) every .cu
-    python -m tools.ptxsim.build triton [--level default] [--arch 120] [--jobs 2]
+    python -m tools.ptx_harness.build cuda  [--arch sm_120a,sm_90a]      # compile (or read back) every .cu
+    python -m tools.ptx_harness.build triton [--level default] [--arch 120] [--jobs 2]
 """
 from __future__ import annotations
 
@@ -27,7 +27,6 @@ import importlib.util
 import json
 import os
 import re
-import shutil
 import subprocess
 import sys
 import tempfile
@@ -35,6 +34,8 @@ import time
 from dataclasses import asdict, dataclass, field
 from functools import lru_cache
 from typing import Optional
+
+from ptxsim.nvcc import find_nvcc, nvcc_version, require_nvcc  # noqa: F401 (find_nvcc: for callers)
 
 from spec_kernels._build_cache import cache_root, write_atomic
 
@@ -80,30 +81,6 @@ def _read(path: str) -> Optional[str]:
 
 
 # --------------------------------------------------------------------------- nvcc and its flags
-def find_nvcc() -> Optional[str]:
-    """The nvcc setup.py would use: $CUDA_HOME, $CUDA_PATH, /usr/local/cuda, then the one on PATH."""
-    for home in (os.environ.get("CUDA_HOME"), os.environ.get("CUDA_PATH"), "/usr/local/cuda"):
-        if home and os.path.exists(os.path.join(home, "bin", "nvcc")):
-            return os.path.join(home, "bin", "nvcc")
-    return shutil.which("nvcc")
-
-
-def _require_nvcc() -> str:
-    nvcc = find_nvcc()
-    if nvcc is None:
-        raise RuntimeError("nvcc not found: set CUDA_HOME to a CUDA toolkit (or put nvcc on PATH) to produce "
-                           "PTX from csrc/")
-    return nvcc
-
-
-@lru_cache(maxsize=None)
-def nvcc_version(nvcc: str) -> str:
-    done = subprocess.run([nvcc, "--version"], capture_output=True, text=True)
-    if done.returncode != 0:
-        raise RuntimeError(f"{nvcc} --version failed: {done.stderr.strip()}")
-    return done.stdout.strip()
-
-
 def setup_py_nvcc_flags() -> list[str]:
     """The "nvcc" list of extra_compile_args in setup.py, read from its source (not run)."""
     with open(os.path.join(REPO, "setup.py"), encoding="utf-8") as f:
@@ -191,7 +168,7 @@ class CudaPTX:
 
 
 def _compile_cu(src_file: str, text: str, arch: str, extra_includes: list[str], label: str) -> CudaPTX:
-    nvcc = _require_nvcc()
+    nvcc = require_nvcc()
     flags = nvcc_flags(arch)
     inc = [f"-I{d}" for d in extra_includes]
     # The paths the PTX's .file lines carry are moved to this checkout when an entry is read back.
@@ -530,7 +507,7 @@ def triton_ptx_all(level: str = "default", arch: int = 120, processes: int = 2,
     env["PYTHONPATH"] = REPO + os.pathsep + env.get("PYTHONPATH", "")
     with tempfile.TemporaryDirectory(prefix="ptxsim-manifest-") as tmp:
         manifest = os.path.join(tmp, "manifest.json")
-        done = subprocess.run([sys.executable, "-m", "tools.ptxsim.build", "triton", "--level", level, "--arch",
+        done = subprocess.run([sys.executable, "-m", "tools.ptx_harness.build", "triton", "--level", level, "--arch",
                                str(arch), "--jobs", str(processes), "--manifest", manifest],
                               cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout)
         if not os.path.exists(manifest):

@@ -16,8 +16,8 @@ How a launch gets here (`TritonPtxRunner.active()`, a context manager):
   decides which ints become constexprs (== 1) and which ints / pointers carry divisibility 16
   (pointers: the simulated device addresses). The compile needs real JITFunctions, which a
   TRITON_INTERPRET=1 process does not have, so it runs in one helper process (started on the
-  first compile, kept for the session) through tools/ptxsim/build.py, whose cache
-  (tools.ptxsim.build.cache_dir()/triton) it fills. This process keeps an index (cache_dir()/
+  first compile, kept for the session) through tools/ptx_harness/build.py, whose cache
+  (tools.ptx_harness.build.cache_dir()/triton) it fills. This process keeps an index (cache_dir()/
   triton-glue) from the specialisation class (per tensor: dtype and 16-byte alignment; per int:
   its Triton type and whether it is 1 / a multiple of 16; every constexpr and option; the kernel
   sources; the Triton version) to the PTX, so a warm run starts no compiler at all.
@@ -65,7 +65,7 @@ _INDEX_FORMAT = "triton-glue-1"
 def _serve() -> None:
     """The helper process: JSON requests on stdin, one `_MARK`-prefixed JSON answer per line."""
     os.environ.pop("TRITON_INTERPRET", None)
-    from tools.ptxsim import build
+    from tools.ptx_harness import build
     from triton.runtime.jit import MockTensor
 
     rep = build._report_module()
@@ -232,7 +232,7 @@ class TritonPtxRunner:
 
     def __init__(self, arch: int = 120, sms: int = 8, mma: str = "fast", check_races: bool = True,
                  config=None, max_smem: int = 99 * 1024):
-        from tools.ptxsim.executor import Machine
+        from ptxsim.executor import Machine
 
         self.arch, self.sms, self.config = arch, sms, config
         self.max_smem = max_smem
@@ -241,7 +241,7 @@ class TritonPtxRunner:
         self.sync = _HostSync(self.machine)
         self.launches: list[PtxLaunch] = []
         self.compiles: list[tuple[str, dict]] = []  # (kernel, {"cached": bool, "seconds": ...})
-        from tools.ptxsim.build import cache_dir
+        from tools.ptx_harness.build import cache_dir
 
         self._index_dir = os.path.join(cache_dir(), "triton-glue")
 
@@ -285,7 +285,7 @@ class TritonPtxRunner:
             pass
         res = _Compiler.compile(req)
         self.compiles.append((req["kernel"], dict(cached=res["cached"], seconds=res["seconds"])))
-        from tools.ptxsim.build import write_atomic
+        from tools.ptx_harness.build import write_atomic
 
         write_atomic(path, json.dumps(res))
         return res
@@ -295,8 +295,8 @@ class TritonPtxRunner:
         import torch
         from triton.runtime.errors import OutOfResources
 
-        from tools.ptxsim.executor import Launch
-        from tools.ptxsim.launch import module_of, pack_params
+        from ptxsim.executor import Launch
+        from ptxsim.launch import module_of, pack_params
 
         names = list(fn.arg_names)
         if len(args) > len(names):

@@ -27,11 +27,11 @@ import numpy as np
 import torch
 
 from spec_kernels.comm import ipc
-from tools.ptxsim.build import cuda_ptx
-from tools.ptxsim.executor import Launch, Machine
-from tools.ptxsim.launch import module_of, pack_params
+from tools.ptx_harness.build import cuda_ptx
+from ptxsim.executor import Launch, Machine
+from ptxsim.launch import module_of, pack_params
 
-from tests.ptx.shipped import header_struct, source_constant
+from tools.ptx_harness.shipped import header_struct, source_constant
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 ARCH = os.environ.get("PTXSIM_ARCH", "sm_120a")

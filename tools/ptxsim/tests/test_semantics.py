@@ -1,5 +1,5 @@
 """The interpreter's instruction semantics and error reports, on small kernels compiled by nvcc
-(tests/ptx/snippets/semantics.cu) and checked against NumPy / torch computations of the same
+(snippets/semantics.cu) and checked against NumPy / torch computations of the same
 definitions (PTX ISA)."""
 import os
 
@@ -7,17 +7,17 @@ import numpy as np
 import pytest
 import torch
 
-from tools.ptxsim.build import cuda_ptx
-from tools.ptxsim.executor import Deadlock, Machine
-from tools.ptxsim.launch import run
-from tools.ptxsim.memory import Hazard, SimError
+from ptxsim.executor import Deadlock, Machine
+from ptxsim.launch import run
+from ptxsim.memory import Hazard, SimError
 
 SNIPPETS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "snippets", "semantics.cu")
 
 
 @pytest.fixture(scope="module")
-def ptx():
-    return cuda_ptx(SNIPPETS)
+def ptx(nvcc_ptx):
+    with open(SNIPPETS, encoding="utf-8") as f:
+        return nvcc_ptx(f.read(), name="semantics.cu")
 
 
 def test_shfl_modes(ptx):
@@ -196,11 +196,10 @@ def test_livelock_is_reported_with_the_spinning_line(ptx):
         run(m, ptx, "spin_forever", (2,), (32,), [m.upload(np.zeros(1, np.int32))])
 
 
-def test_uninitialised_shared_read_is_reported():
-    from tools.ptxsim.build import cuda_ptx_from_source
+def test_uninitialised_shared_read_is_reported(nvcc_ptx):
     src = """extern "C" __global__ void k(float* out) { __shared__ float s[64];
              if (threadIdx.x < 32) s[threadIdx.x] = 1.f; __syncthreads(); out[threadIdx.x] = s[threadIdx.x]; }"""
-    p = cuda_ptx_from_source(src, name="uninit_shared.cu")
+    p = nvcc_ptx(src, name="uninit_shared.cu")
     m = Machine()
     with pytest.raises(SimError, match="nothing wrote"):
         run(m, p, "k", (1,), (64,), [m.alloc(256)])
