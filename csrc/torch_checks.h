@@ -40,9 +40,19 @@ inline void check_launch(cudaError_t err, const char* op) {
   TORCH_CHECK(err == cudaSuccess, op, ": CUDA launch failed: ", cudaGetErrorString(err));
 }
 
-// t: on `device` (the device of q) and contiguous.
-inline void check_cuda(const at::Tensor& t, const char* name, const at::Device& device) {
-  TORCH_CHECK(t.device() == device, name, " must be on ", device, " like q, got ", t.device());
+// t: on `device` (the device of the argument `like`) and contiguous.
+inline void check_cuda(const at::Tensor& t, const char* name, const at::Device& device, const char* like = "q") {
+  TORCH_CHECK(t.device() == device, name, " must be on ", device, " like ", like, ", got ", t.device());
+  TORCH_CHECK(t.is_contiguous(), name, " must be contiguous");
+}
+
+// t: a buffer on `device` (the device of the argument `like`) of `dtype` with exactly `sizes`,
+// contiguous: the outputs, split buffers and side inputs of every family.
+inline void check_buffer(const at::Tensor& t, const char* name, const at::Device& device, const char* like,
+                         at::ScalarType dtype, c10::IntArrayRef sizes) {
+  TORCH_CHECK(t.device() == device, name, " must be on ", device, " like ", like, ", got ", t.device());
+  TORCH_CHECK(t.scalar_type() == dtype, name, " must be ", dtype, ", got ", t.scalar_type());
+  TORCH_CHECK(t.sizes() == sizes, name, " must have shape ", sizes, ", got ", t.sizes());
   TORCH_CHECK(t.is_contiguous(), name, " must be contiguous");
 }
 

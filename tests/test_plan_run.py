@@ -61,6 +61,47 @@ def test_split_buffers_are_made_once():
     assert (plan.workspace.o_partial.data_ptr(), plan.workspace.lse_partial.data_ptr()) == before
 
 
+def test_split_workspace_plan_forced_and_automatic():
+    from spec_kernels.attention.plan import MIN_SPLIT_KEYS, SplitWorkspace
+
+    def never():
+        raise AssertionError("a forced split count must not run the planner")
+
+    forced = SplitWorkspace.plan(3, never, 5, 4, 64, torch.device("cpu"))
+    assert (forced.splits, forced.min_chunk) == (3, 0) and forced.o_partial.shape == (3, 5, 4, 64)
+    auto = SplitWorkspace.plan(None, lambda: 2, 5, 4, 64, torch.device("cpu"))
+    assert (auto.splits, auto.min_chunk) == (2, MIN_SPLIT_KEYS) and auto.lse_partial.shape == (2, 5, 4)
+    one = SplitWorkspace.plan(0, lambda: 1, 5, 4, 64, torch.device("cpu"))
+    assert (one.splits, one.o_partial, one.lse_partial) == (1, None, None)
+
+
+@pytest.mark.parametrize("decode", [False, True])
+def test_one_call_and_plan_split_through_the_same_planner(monkeypatch, decode):
+    """The one-call functions are plan + run in one: both get their split from SplitWorkspace.plan
+    with the implementation's planner, so a change to the planner reaches both."""
+    from spec_kernels.attention import plan as attention_plan
+
+    calls = []
+    real = attention_plan.SplitWorkspace.plan
+
+    def recording(num_kv_splits, auto, *rest):
+        ws = real(num_kv_splits, auto, *rest)
+        calls.append((bool(num_kv_splits), ws.splits, ws.min_chunk, rest))
+        return ws
+
+    monkeypatch.setattr(attention_plan.SplitWorkspace, "plan", staticmethod(recording))
+    case = make_case([1, 1] if decode else [3, 2], [300, 40], dtype=torch.float16, seed=2)
+    args = (case.kv_indptr, case.kv_indices) if decode else (case.kv_indptr, case.kv_indices, case.qo_indptr,
+                                                             case.tree_mask)
+    q = case.q[:2] if decode else case.q
+    if decode:
+        spec_kernels.decode_attention(q, case.k_cache, case.v_cache, *args, impl="triton")
+    else:
+        spec_kernels.tree_verify_attention(q, case.k_cache, case.v_cache, *args, impl="triton")
+    _plan(case, "triton", decode=decode).run(q, case.k_cache, case.v_cache)
+    assert len(calls) == 2 and calls[0] == calls[1], calls
+
+
 def test_plan_refuses_bad_layouts_and_layer_tensors():
     case = make_case([2, 1], [3, 4], dtype=torch.float16)
     with pytest.raises(ValueError, match="kv_indptr"):

@@ -47,13 +47,9 @@ spec_kernels::KvSlotBatch kv_slot_batch(const at::Tensor& req_to_token, const at
   TORCH_CHECK(free_pages.numel() < INT32_MAX, "free_pages must have < 2^31 entries");
   b.free_pages = free_pages.data_ptr<int64_t>();
   b.num_pages = free_pages.numel();
-  check_cuda_vector(num_free, "num_free", at::kLong);
-  TORCH_CHECK(num_free.device() == dev && num_free.numel() == 1, "num_free must be one int64 on ", dev);
+  check_buffer(num_free, "num_free", dev, "req_to_token", at::kLong, {1});
   b.num_free = num_free.data_ptr<int64_t>();
-  check_cuda_vector(page_state, "page_state", at::kInt);
-  TORCH_CHECK(page_state.device() == dev && page_state.numel() == b.num_pages, "page_state must be int32 [",
-              b.num_pages, "] (one entry per page, like free_pages) on ", dev, ", got ", page_state.sizes(), " on ",
-              page_state.device());
+  check_buffer(page_state, "page_state", dev, "req_to_token", at::kInt, {b.num_pages});  // one entry per page
   b.page_state = page_state.data_ptr<int32_t>();
   TORCH_CHECK(page_size >= 1 && page_size <= (1 << 20) && (page_size & (page_size - 1)) == 0,
               "page_size must be a power of two in [1, 2^20], got ", page_size);
@@ -61,9 +57,7 @@ spec_kernels::KvSlotBatch kv_slot_batch(const at::Tensor& req_to_token, const at
   TORCH_CHECK(max_draft >= 1 && max_draft <= spec_kernels::kMaxDraftTokens, "max_draft must be in [1, ",
               spec_kernels::kMaxDraftTokens, "], got ", max_draft);
   b.max_draft = static_cast<int>(max_draft);
-  check_cuda_vector(status, "status", at::kLong);
-  TORCH_CHECK(status.device() == dev && status.numel() == spec_kernels::kKvSlotsStatusLen, "status must be int64 [",
-              spec_kernels::kKvSlotsStatusLen, "] on ", dev);
+  check_buffer(status, "status", dev, "req_to_token", at::kLong, {spec_kernels::kKvSlotsStatusLen});
   b.status = status.data_ptr<int64_t>();
   return b;
 }
@@ -125,14 +119,10 @@ void commit_draft_slots(at::Tensor& req_to_token, const at::Tensor& req_pool_ind
                 "commit_draft_slots: num_requests x kv_blocks_per_request must be <= ",
                 spec_kernels::kKvMoveMaxBlocks, ", got ", batch.num_requests, " x ", kv_blocks_per_request);
     TORCH_CHECK(move_sync.has_value(), "move_sync is required when KV rows move (kv_table, page_size > 1)");
-    const at::Tensor& w = *move_sync;
-    TORCH_CHECK(w.device() == dev && w.scalar_type() == at::kLong && w.dim() == 1 &&
-                    w.numel() == spec_kernels::kKvMoveSyncWords && w.is_contiguous(),
-                "move_sync must be a contiguous int64 [", spec_kernels::kKvMoveSyncWords, "] on ", dev, ", got ",
-                w.sizes());
+    check_buffer(*move_sync, "move_sync", dev, "req_to_token", at::kLong, {spec_kernels::kKvMoveSyncWords});
     TORCH_CHECK(move_tag >= 1 && move_tag < (int64_t{1} << spec_kernels::kKvMoveTagBits), "move_tag must be in [1, 2^",
                 spec_kernels::kKvMoveTagBits, "), got ", move_tag);
-    args.move_sync = reinterpret_cast<uint64_t*>(w.data_ptr<int64_t>());
+    args.move_sync = reinterpret_cast<uint64_t*>(move_sync->data_ptr<int64_t>());
     args.move_tag = static_cast<uint64_t>(move_tag);
   }
   const c10::cuda::CUDAGuard guard(dev);

@@ -16,15 +16,6 @@
 
 namespace spec_kernels::binding {
 
-// t: a CUDA tensor on `device` of `dtype` with exactly `sizes`, contiguous.
-void check_mla_buffer(const at::Tensor& t, const char* name, const at::Device& device, at::ScalarType dtype,
-                      at::IntArrayRef sizes) {
-  TORCH_CHECK(t.device() == device, name, " must be on ", device, " like q, got ", t.device());
-  TORCH_CHECK(t.scalar_type() == dtype, name, " must be ", dtype, ", got ", t.scalar_type());
-  TORCH_CHECK(t.sizes() == sizes, name, " must have shape ", sizes, ", got ", t.sizes());
-  TORCH_CHECK(t.is_contiguous(), name, " must be contiguous");
-}
-
 void mla_tree_verify_attention(const at::Tensor& q, const at::Tensor& kv_cache, const at::Tensor& kv_indptr,
                                const at::Tensor& kv_indices, const std::optional<at::Tensor>& qo_indptr,
                                const std::optional<at::Tensor>& tree_mask, at::Tensor& out,
@@ -64,21 +55,21 @@ void mla_tree_verify_attention(const at::Tensor& q, const at::Tensor& kv_cache, 
   TORCH_CHECK(qo_indptr.has_value() == tree_mask.has_value(),
               "qo_indptr and tree_mask must be given together (tree verify) or both omitted (decode)");
   if (qo_indptr.has_value()) {
-    check_mla_buffer(*qo_indptr, "qo_indptr", dev, at::kInt, {B + 1});
-    check_mla_buffer(*tree_mask, "tree_mask", dev, at::kLong, {T});
+    check_buffer(*qo_indptr, "qo_indptr", dev, "q", at::kInt, {B + 1});
+    check_buffer(*tree_mask, "tree_mask", dev, "q", at::kLong, {T});
   } else {
     TORCH_CHECK(T == B, "decode needs one query per request: q has ", T, " rows, kv_indptr ", B, " requests");
   }
-  check_mla_buffer(out, "out", dev, q.scalar_type(), {T, H, kMlaVHeadDim});
+  check_buffer(out, "out", dev, "q", q.scalar_type(), {T, H, kMlaVHeadDim});
   TORCH_CHECK(reinterpret_cast<uintptr_t>(out.data_ptr()) % 4 == 0, "out must be 4-byte aligned (the kernel "
               "stores pairs of values)");
-  if (lse.has_value()) check_mla_buffer(*lse, "lse", dev, at::kFloat, {T, H});
+  if (lse.has_value()) check_buffer(*lse, "lse", dev, "q", at::kFloat, {T, H});
   TORCH_CHECK(num_splits >= 1 && num_splits <= 64, "num_splits must be in [1, 64], got ", num_splits);
   TORCH_CHECK(o_partial.has_value() == (num_splits > 1) && lse_partial.has_value() == (num_splits > 1),
               "o_partial and lse_partial must be given exactly when num_splits > 1");
   if (num_splits > 1) {
-    check_mla_buffer(*o_partial, "o_partial", dev, at::kFloat, {num_splits, T, H, kMlaVHeadDim});
-    check_mla_buffer(*lse_partial, "lse_partial", dev, at::kFloat, {num_splits, T, H});
+    check_buffer(*o_partial, "o_partial", dev, "q", at::kFloat, {num_splits, T, H, kMlaVHeadDim});
+    check_buffer(*lse_partial, "lse_partial", dev, "q", at::kFloat, {num_splits, T, H});
     TORCH_CHECK(reinterpret_cast<uintptr_t>(o_partial->data_ptr()) % 8 == 0,
                 "o_partial must be 8-byte aligned (the kernel stores pairs of floats)");
   }

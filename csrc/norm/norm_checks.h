@@ -22,10 +22,7 @@ inline spec_kernels::NormDType norm_dtype(const at::Tensor& t, const char* name)
 // t: a contiguous CUDA tensor like `like` (same device and shape) of dtype `dtype`.
 inline void check_like(const at::Tensor& t, const char* name, const at::Tensor& like, at::ScalarType dtype) {
   TORCH_CHECK(t.is_cuda(), name, " must be a CUDA tensor, got device ", t.device());
-  TORCH_CHECK(t.device() == like.device(), name, " must be on ", like.device(), " like x, got ", t.device());
-  TORCH_CHECK(t.scalar_type() == dtype, name, " must be ", dtype, ", got ", t.scalar_type());
-  TORCH_CHECK(t.sizes() == like.sizes(), name, " must have shape ", like.sizes(), ", got ", t.sizes());
-  TORCH_CHECK(t.is_contiguous(), name, " must be contiguous");
+  check_buffer(t, name, like.device(), "x", dtype, like.sizes());
 }
 
 inline void check_rows(const at::Tensor& x) {

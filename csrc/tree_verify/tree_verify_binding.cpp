@@ -66,30 +66,18 @@ void tree_verify_attention(const at::Tensor& q, const at::Tensor& k_cache, const
               "kv_indices must be 1-D int32 or int64");
   TORCH_CHECK(qo_indptr.has_value() == tree_mask.has_value(), "qo_indptr and tree_mask go together (both None: decode)");
   if (qo_indptr.has_value()) {
-    check_cuda(*qo_indptr, "qo_indptr", dev);
-    TORCH_CHECK(qo_indptr->scalar_type() == at::kInt, "qo_indptr must be int32");
-    check_shape(*qo_indptr, "qo_indptr", {B + 1});
-    check_cuda(*tree_mask, "tree_mask", dev);
-    TORCH_CHECK(tree_mask->scalar_type() == at::kLong, "tree_mask must be int64");
-    check_shape(*tree_mask, "tree_mask", {T});
+    check_buffer(*qo_indptr, "qo_indptr", dev, "q", at::kInt, {B + 1});
+    check_buffer(*tree_mask, "tree_mask", dev, "q", at::kLong, {T});
   } else {
     TORCH_CHECK(T == B, "decode needs one query per request: q has ", T, " rows, kv_indptr ", B, " requests");
   }
-  if (lse.has_value()) {
-    check_cuda(*lse, "lse", dev);
-    TORCH_CHECK(lse->scalar_type() == at::kFloat, "lse must be float32");
-    check_shape(*lse, "lse", {T, Hq});
-  }
+  if (lse.has_value()) check_buffer(*lse, "lse", dev, "q", at::kFloat, {T, Hq});
   TORCH_CHECK(num_splits >= 1 && num_splits <= 64, "num_splits must be in [1, 64], got ", num_splits);
   TORCH_CHECK(min_chunk >= 0 && min_chunk < (int64_t{1} << 30), "min_chunk must be in [0, 2^30), got ", min_chunk);
   if (num_splits > 1) {
     TORCH_CHECK(o_partial.has_value() && lse_partial.has_value(), "num_splits > 1 needs o_partial and lse_partial");
-    check_cuda(*o_partial, "o_partial", dev);
-    check_cuda(*lse_partial, "lse_partial", dev);
-    TORCH_CHECK(o_partial->scalar_type() == at::kFloat && lse_partial->scalar_type() == at::kFloat,
-                "o_partial and lse_partial must be float32");
-    check_shape(*o_partial, "o_partial", {num_splits, T, Hq, D});
-    check_shape(*lse_partial, "lse_partial", {num_splits, T, Hq});
+    check_buffer(*o_partial, "o_partial", dev, "q", at::kFloat, {num_splits, T, Hq, D});
+    check_buffer(*lse_partial, "lse_partial", dev, "q", at::kFloat, {num_splits, T, Hq});
     // The kernel stores o_partial in 8-byte pairs.
     TORCH_CHECK(reinterpret_cast<uintptr_t>(o_partial->data_ptr()) % 8 == 0, "o_partial must be 8-byte aligned");
   }

@@ -242,3 +242,13 @@ class SplitWorkspace:
             lse = torch.empty((splits, num_tokens, num_heads), dtype=torch.float32, device=device)
         return SplitWorkspace(splits, 0 if forced else MIN_SPLIT_KEYS, o, lse)
 
+    @staticmethod
+    def plan(num_kv_splits: Optional[int], auto: Callable[[], int], num_tokens: int, num_heads: int,
+             v_head_dim: int, device: torch.device) -> "SplitWorkspace":
+        """The split of a batch: `num_kv_splits` when given (forced: the prefix divided evenly),
+        else `auto()`, the implementation's planner (every split keeps >= MIN_SPLIT_KEYS keys).
+        The plans and the one-call functions both split through here, so they split alike."""
+        forced = bool(num_kv_splits)
+        splits = int(num_kv_splits) if forced else auto()
+        return SplitWorkspace.make(splits, forced, num_tokens, num_heads, v_head_dim, device)
+

@@ -68,18 +68,13 @@ def merge_splits_kernel(
         tl.store(LSE + token * stride_lse_t + head, lse * 0.6931471805599453)
 
 
-def split_destinations(splits: int, out: torch.Tensor, lse: Optional[torch.Tensor], workspace=None):
-    """Where the attention kernel writes: with several splits, fp32 partials [S, T, H, Dv] and
-    their log2-sum-exp [S, T, H] (a planned SplitWorkspace's, else fresh); with one, `out` and
-    `lse` themselves (`out` stands in for an absent lse: never written, WRITE_LSE is off). Returns
-    (o_dst, lse_dst, o strides (token, head, split), lse strides (token, split))."""
-    if splits > 1:
-        T, H, Dv = out.shape
-        if workspace is not None and workspace.o_partial is not None:
-            o_dst, lse_dst = workspace.o_partial, workspace.lse_partial
-        else:
-            o_dst = torch.empty((splits, T, H, Dv), dtype=torch.float32, device=out.device)
-            lse_dst = torch.empty((splits, T, H), dtype=torch.float32, device=out.device)
+def split_destinations(out: torch.Tensor, lse: Optional[torch.Tensor], workspace):
+    """Where the attention kernel writes: with several splits, the SplitWorkspace's fp32 partials
+    [S, T, H, Dv] and their log2-sum-exp [S, T, H]; with one, `out` and `lse` themselves (`out`
+    stands in for an absent lse: never written, WRITE_LSE is off). Returns (o_dst, lse_dst,
+    o strides (token, head, split), lse strides (token, split))."""
+    if workspace.splits > 1:
+        o_dst, lse_dst = workspace.o_partial, workspace.lse_partial
         return (o_dst, lse_dst, (o_dst.stride(1), o_dst.stride(2), o_dst.stride(0)),
                 (lse_dst.stride(1), lse_dst.stride(0)))
     return (out, lse if lse is not None else out, (out.stride(0), out.stride(1), 0),

@@ -51,10 +51,10 @@ def mla_tree_verify_attention(q, kv_cache, kv_indptr, kv_indices, qo_indptr, tre
         return
     decode = qo_indptr is None
     rows = max_rows(T, H, decode, max_draft_tokens)  # sizes the grid (and the tile): every valid n_b fits
-    if workspace is None:
-        splits = num_kv_splits or auto_splits(q.device, T, B, H, kv_indices.numel(), decode, max_draft_tokens)
-        # A forced split count divides the prefix evenly; automatic splits keep >= 256 keys each.
-        workspace = SplitWorkspace.make(splits, bool(num_kv_splits), T, H, v_head_dim, q.device)
+    if workspace is None:  # the one-call path: planned here as MlaPlan plans it
+        workspace = SplitWorkspace.plan(
+            num_kv_splits, lambda: auto_splits(q.device, T, B, H, kv_indices.numel(), decode, max_draft_tokens),
+            T, H, v_head_dim, q.device)
     cuda_ops().mla_tree_verify_attention(q, kv_cache, kv_indptr, kv_indices, qo_indptr, tree_mask, out, lse,
                                          workspace.o_partial, workspace.lse_partial, sm_scale, workspace.splits,
                                          workspace.min_chunk, rows)

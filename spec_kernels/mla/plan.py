@@ -51,18 +51,15 @@ class MlaPlan:
         meta = (torch.empty((T, num_heads, head_dim), dtype=dtype, device="meta"),
                 torch.empty((1, head_dim), dtype=dtype, device="meta"), v_head_dim)
         self.impl, _ = MLA.select(dev, impl or None, args=meta)
-        forced = bool(num_kv_splits)
-        if forced:
-            splits = int(num_kv_splits)
-        elif self.impl == "cuda" and T and B:
-            splits = cuda_binding.auto_splits(dev, T, B, num_heads, kv_indices.numel(), layout.decode,
-                                              layout.max_draft_tokens)
-        elif self.impl == "triton" and T and B:
-            splits = triton_kernel.auto_splits(dev, T, B, num_heads, head_dim, dtype, kv_indices.numel(),
-                                               layout.decode, layout.max_draft_tokens)
-        else:
-            splits = 1  # the reference has no splits; an empty batch launches nothing
-        self.workspace = SplitWorkspace.make(splits, forced, T, num_heads, v_head_dim, dev)
+        planners = {  # each implementation's split planner, as its one-call launch uses it
+            "cuda": lambda: cuda_binding.auto_splits(dev, T, B, num_heads, kv_indices.numel(), layout.decode,
+                                                     layout.max_draft_tokens),
+            "triton": lambda: triton_kernel.auto_splits(dev, T, B, num_heads, head_dim, dtype, kv_indices.numel(),
+                                                        layout.decode, layout.max_draft_tokens),
+        }
+        # The reference has no splits; an empty batch launches nothing.
+        auto = planners[self.impl] if self.impl in planners and T and B else (lambda: 1)
+        self.workspace = SplitWorkspace.plan(num_kv_splits, auto, T, num_heads, v_head_dim, dev)
         self._values_checked_for: Optional[int] = None
 
     @property

@@ -28,7 +28,7 @@ import triton.language as tl
 
 from .._ops import triton_interpreting
 from .._autotune import LazyAutotune
-from ..attention.plan import MIN_SPLIT_KEYS, KernelResources, expected_rows, mean_prefix, triton_resources
+from ..attention.plan import KernelResources, SplitWorkspace, expected_rows, mean_prefix, triton_resources
 from ..attention.plan import max_rows as plan_max_rows
 from ..attention.plan import num_kv_splits as plan_splits
 from ..attention.triton_common import LOG2E, draft_bits, finite_or_nan, indptr_range, merge_splits, split_destinations
@@ -248,7 +248,8 @@ def mla_tree_verify_attention(
 ) -> None:
     """Launch the Triton kernel(s). Arguments as in spec_kernels.mla.mla_tree_verify_attention
     (already checked; kv_cache is [S, D]); block_m/block_n override the tile (tests); a planned
-    SplitWorkspace gives the splits, their minimum share and the partial buffers."""
+    SplitWorkspace gives the splits, their minimum share and the partial buffers (without one it
+    is planned here, as a plan would)."""
     T, H, D = q.shape
     B = kv_indptr.numel() - 1
     if T == 0 or B == 0:
@@ -256,21 +257,18 @@ def mla_tree_verify_attention(
     is_decode = qo_indptr is None
     max_rows = plan_max_rows(T, H, is_decode, max_draft_tokens)
     block_m = block_m or default_block_m(max_rows)
-    if workspace is not None:
-        splits, min_chunk = workspace.splits, workspace.min_chunk
-    elif not num_kv_splits:
-        splits = auto_splits(q.device, T, B, H, D, kv_cache.dtype, kv_indices.numel(), is_decode, max_draft_tokens,
-                             block_m)
-        min_chunk = MIN_SPLIT_KEYS  # automatic splits keep >= 256 keys each
-    else:
-        splits, min_chunk = num_kv_splits, 0  # a forced split count divides the prefix evenly
+    if workspace is None:
+        workspace = SplitWorkspace.plan(
+            num_kv_splits, lambda: auto_splits(q.device, T, B, H, D, kv_cache.dtype, kv_indices.numel(), is_decode,
+                                               max_draft_tokens, block_m), T, H, v_head_dim, q.device)
+    splits, min_chunk = workspace.splits, workspace.min_chunk
     kernel, fixed = _kernel_for_launch()
     # Placeholders for absent optional pointers (never dereferenced: constexpr branches).
     qo_ptr = qo_indptr if qo_indptr is not None else kv_indptr
     mask_ptr = tree_mask if tree_mask is not None else kv_indptr
 
     partial = splits > 1
-    o_dst, lse_dst, strides_o, strides_l = split_destinations(splits, out, lse, workspace)
+    o_dst, lse_dst, strides_o, strides_l = split_destinations(out, lse, workspace)
 
     args = (q, kv_cache, kv_indptr, kv_indices, qo_ptr, mask_ptr, o_dst, lse_dst, sm_scale * LOG2E,
             q.stride(0), q.stride(1), kv_cache.stride(0), *strides_o, *strides_l, max_rows, splits,

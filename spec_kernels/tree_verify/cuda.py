@@ -73,12 +73,10 @@ def tree_verify_attention(q, k_cache, v_cache, kv_indptr, kv_indices, qo_indptr,
         return
     decode = qo_indptr is None
     rows = max_rows(T, Hq // Hkv, decode, max_draft_tokens)  # sizes the grid: every valid n_b fits
-    if workspace is None:
-        forced = bool(num_kv_splits)
-        splits = num_kv_splits or auto_splits(q.device, T, B, Hq, Hkv, D, kv_indices.numel(), decode,
-                                              max_draft_tokens)
-        # A forced split count divides the prefix evenly; automatic splits keep >= 256 keys each.
-        workspace = SplitWorkspace.make(splits, forced, T, Hq, D, q.device)
+    if workspace is None:  # the one-call path: planned here as TreeVerifyPlan plans it
+        workspace = SplitWorkspace.plan(
+            num_kv_splits, lambda: auto_splits(q.device, T, B, Hq, Hkv, D, kv_indices.numel(), decode,
+                                               max_draft_tokens), T, Hq, D, q.device)
     cuda_ops().tree_verify_attention(q, k_cache, v_cache, kv_indptr, kv_indices, qo_indptr, tree_mask,
                                      out, lse, workspace.o_partial, workspace.lse_partial, sm_scale,
                                      workspace.splits, workspace.min_chunk, rows)

@@ -4,8 +4,9 @@ A model step calls attention once per layer over the same batch layout (kv_indpt
 qo_indptr, tree_mask). `TreeVerifyPlan` checks that layout once, picks the implementation, plans
 the KV splits and allocates the split buffers; `plan.run(q, k_cache, v_cache)` per layer only
 checks the layer's tensors against the plan and launches. The one-call functions
-(spec_kernels.tree_verify_attention / decode_attention) give the same results: the same splits,
-the same split bounds, the same kernels.
+(spec_kernels.tree_verify_attention / decode_attention) plan and run in one call through the same
+code: the split comes from SplitWorkspace.plan with the same planner, the launch is the same
+kernel launcher, so the results are the same.
 """
 from __future__ import annotations
 
@@ -69,18 +70,16 @@ class TreeVerifyPlan:
         meta = [torch.empty(shape, dtype=dtype, device="meta")
                 for shape in ((T, num_q_heads, head_dim), (1, num_kv_heads, head_dim), (1, num_kv_heads, v_head_dim))]
         self.impl, _ = TREE_VERIFY.select(dev, impl or None, args=tuple(meta))
-        forced = bool(num_kv_splits)
-        if forced:
-            splits = int(num_kv_splits)
-        elif self.impl == "cuda" and T and B:
-            splits = cuda_binding.auto_splits(dev, T, B, num_q_heads, num_kv_heads, head_dim, kv_indices.numel(),
-                                              layout.decode, layout.max_draft_tokens)
-        elif self.impl == "triton" and T and B:
-            splits = triton_kernel.auto_splits(dev, T, B, num_q_heads, num_kv_heads, head_dim, v_head_dim, dtype,
-                                               kv_indices.numel(), layout.decode, layout.max_draft_tokens)
-        else:
-            splits = 1  # the reference has no splits; an empty batch launches nothing
-        self.workspace = SplitWorkspace.make(splits, forced, T, num_q_heads, v_head_dim, dev)
+        planners = {  # each implementation's split planner, as its one-call launch uses it
+            "cuda": lambda: cuda_binding.auto_splits(dev, T, B, num_q_heads, num_kv_heads, head_dim,
+                                                     kv_indices.numel(), layout.decode, layout.max_draft_tokens),
+            "triton": lambda: triton_kernel.auto_splits(dev, T, B, num_q_heads, num_kv_heads, head_dim, v_head_dim,
+                                                        dtype, kv_indices.numel(), layout.decode,
+                                                        layout.max_draft_tokens),
+        }
+        # The reference has no splits; an empty batch launches nothing.
+        auto = planners[self.impl] if self.impl in planners and T and B else (lambda: 1)
+        self.workspace = SplitWorkspace.plan(num_kv_splits, auto, T, num_q_heads, v_head_dim, dev)
         self._values_checked_for: Optional[int] = None
 
     @property

@@ -25,7 +25,7 @@ from triton.runtime.errors import OutOfResources
 
 from .._ops import triton_interpreting
 from .._autotune import LazyAutotune
-from ..attention.plan import MIN_SPLIT_KEYS, KernelResources, expected_rows, mean_prefix, triton_resources
+from ..attention.plan import KernelResources, SplitWorkspace, expected_rows, mean_prefix, triton_resources
 from ..attention.plan import max_rows as plan_max_rows
 from ..attention.plan import num_kv_splits as plan_splits
 from ..attention.triton_common import LOG2E, draft_bits, finite_or_nan, indptr_range, merge_splits, split_destinations
@@ -282,7 +282,7 @@ def tree_verify_attention(
     """Launch the Triton kernel(s). Arguments as in spec_kernels.tree_verify_attention (already
     checked); num_kv_splits=0 picks from the device, max_draft_tokens=0 assumes up to 64 drafts;
     block_m/block_n override the tile (tests); a planned SplitWorkspace gives the splits, their
-    minimum share and the partial buffers."""
+    minimum share and the partial buffers (without one it is planned here, as a plan would)."""
     T, Hq, D = q.shape
     Hkv, Dv = k_cache.shape[1], v_cache.shape[2]
     B = kv_indptr.numel() - 1
@@ -293,14 +293,11 @@ def tree_verify_attention(
     max_rows = plan_max_rows(T, group, is_decode, max_draft_tokens)
     block_m = block_m or default_block_m(max_rows, max(D, Dv))
     ieee = q.dtype == torch.float32
-    if workspace is not None:
-        splits, min_chunk = workspace.splits, workspace.min_chunk
-    elif not num_kv_splits:
-        splits = auto_splits(q.device, T, B, Hq, Hkv, D, Dv, k_cache.dtype, kv_indices.numel(), is_decode,
-                             max_draft_tokens, block_m)
-        min_chunk = MIN_SPLIT_KEYS  # automatic splits keep >= 256 keys each
-    else:
-        splits, min_chunk = num_kv_splits, 0  # a forced split count divides the prefix evenly
+    if workspace is None:
+        workspace = SplitWorkspace.plan(
+            num_kv_splits, lambda: auto_splits(q.device, T, B, Hq, Hkv, D, Dv, k_cache.dtype, kv_indices.numel(),
+                                               is_decode, max_draft_tokens, block_m), T, Hq, Dv, q.device)
+    splits, min_chunk = workspace.splits, workspace.min_chunk
     kernel, fixed = _kernel_for_launch()
     compute_f32 = triton_interpreting() or q.dtype == torch.float32
     # A placeholder for absent optional pointers (never dereferenced: constexpr branches).
@@ -308,7 +305,7 @@ def tree_verify_attention(
     mask_ptr = tree_mask if tree_mask is not None else kv_indptr
 
     partial = splits > 1
-    o_dst, lse_dst, strides_o, strides_l = split_destinations(splits, out, lse, workspace)
+    o_dst, lse_dst, strides_o, strides_l = split_destinations(out, lse, workspace)
 
     args = (
         q, k_cache, v_cache, kv_indptr, kv_indices, qo_ptr, mask_ptr, o_dst, lse_dst,

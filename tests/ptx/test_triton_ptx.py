@@ -32,6 +32,7 @@ sys.path.insert(0, os.path.dirname(HERE))  # tests/: test_mla, test_kv_slots_inv
 sys.path.insert(0, HERE)
 
 import spec_kernels  # noqa: E402
+from spec_kernels.attention.plan import MIN_SPLIT_KEYS  # noqa: E402
 from spec_kernels.tree_verify import triton_kernel as tv  # noqa: E402
 from spec_kernels.testing import make_case  # noqa: E402
 
@@ -91,7 +92,7 @@ def test_decode_automatic_splits():
     with runner.active():
         out, lse = spec_kernels.decode_attention(*args, return_lse=True, impl="triton")
     fwd = runner.launches[0]
-    assert fwd.config["MIN_CHUNK"] == tv.MIN_SPLIT_KEYS and fwd.config["IS_DECODE"]
+    assert fwd.config["MIN_CHUNK"] == MIN_SPLIT_KEYS and fwd.config["IS_DECODE"]
     splits = fwd.grid[1]
     assert [x.kernel for x in runner.launches] == ["_tree_verify_fwd_kernel"] + ["merge_splits_kernel"] * (splits > 1)
     _check_attention(out, lse, ref, ref_lse, dtype)
