@@ -56,6 +56,13 @@ MUTANTS = {
                             "const bool live = end - base >= key0 + keys_per_warp &&"),
     "live_rows_off_by_16": (TV, "a warp skips its tiles when its first row is within 16 of rows_here",
                             "wm * 16 < rows_here;", "wm * 16 + 16 < rows_here;"),
+    # Caught because the glue poisons the partial buffers (NaN): the skipped values are 0 in the
+    # reference and weighted 0 by the merge (lse -inf), so a zero-filled buffer would pass. The
+    # request without a prefix sees nothing in split 0.
+    "unseen_split_rows_not_written": (TV, "a split's rows that saw no key write no partial output",
+                                      "for (int d = 0; d < Cfg::kDvTiles; ++d) {\n        *reinterpret_cast<float2*>",
+                                      "for (int d = 0; seen && d < Cfg::kDvTiles; ++d) {\n"
+                                      "        *reinterpret_cast<float2*>"),
 }
 
 

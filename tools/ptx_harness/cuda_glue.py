@@ -47,6 +47,13 @@ def _np(t: torch.Tensor) -> np.ndarray:
     return t.numpy()
 
 
+# What an output element holds before the launch (poison), per dtype: NaN for the float types,
+# 0x7f (NaN) for fp8 e4m3, so an element the kernel should write but does not cannot match a
+# reference value, 0 included.
+_POISON = {torch.float32: float("nan"), torch.float16: float("nan"), torch.bfloat16: float("nan"),
+           torch.float8_e4m3fn: float("nan")}
+
+
 class _Buffers:
     """Tensors uploaded for one call (by storage), copied back after the run when written."""
 
@@ -54,14 +61,20 @@ class _Buffers:
         self.m = m
         self.by_storage = {}
 
-    def ptr(self, t, name=None):
+    def ptr(self, t, name=None, poison=False):
+        """The simulated address of t. poison: t is an output the launch must write in full; its
+        elements start as _POISON in the simulated memory (not the caller's values), unless its
+        storage is also an input of the call (in-place use) and was uploaded as such."""
         if t is None:
             return 0
         st = t.untyped_storage()
         key = st.data_ptr()
         if key not in self.by_storage:
-            raw = torch.empty(0, dtype=torch.uint8).set_(st).numpy() if st.nbytes() else np.zeros(0, np.uint8)
-            addr = self.m.upload(raw.copy(), name or f"tensor{len(self.by_storage)}")
+            raw = torch.empty(0, dtype=torch.uint8).set_(st).clone() if st.nbytes() else torch.zeros(0, dtype=torch.uint8)
+            if poison and t.numel():
+                torch.empty(0, dtype=t.dtype).set_(raw.untyped_storage(), t.storage_offset(), t.shape,
+                                                   t.stride()).fill_(_POISON[t.dtype])
+            addr = self.m.upload(raw.numpy(), name or f"tensor{len(self.by_storage)}")
             self.by_storage[key] = (addr, st)
         addr, _ = self.by_storage[key]
         return addr + t.storage_offset() * t.element_size()
@@ -121,9 +134,9 @@ class PtxCudaOps:
         p.kv_indptr, p.kv_indices = buf.ptr(kv_indptr, "kv_indptr"), buf.ptr(kv_indices, "kv_indices")
         p.kv_indices_int64 = kv_indices.dtype == torch.int64
         p.qo_indptr, p.tree_mask = buf.ptr(qo_indptr, "qo_indptr"), buf.ptr(tree_mask, "tree_mask")
-        p.out, p.lse = buf.ptr(out, "out"), buf.ptr(lse, "lse")
-        p.o_partial = buf.ptr(o_partial) if num_splits > 1 else 0
-        p.lse_partial = buf.ptr(lse_partial) if num_splits > 1 else 0
+        p.out, p.lse = buf.ptr(out, "out", poison=True), buf.ptr(lse, "lse", poison=True)
+        p.o_partial = buf.ptr(o_partial, "o_partial", poison=True) if num_splits > 1 else 0
+        p.lse_partial = buf.ptr(lse_partial, "lse_partial", poison=True) if num_splits > 1 else 0
         p.q_stride_t, p.q_stride_h = q.stride(0), q.stride(1)
         p.k_stride_s, p.k_stride_h = k_cache.stride(0), k_cache.stride(1)
         p.v_stride_s, p.v_stride_h = v_cache.stride(0), v_cache.stride(1)
@@ -175,10 +188,10 @@ class PtxCudaOps:
         p.kv_indices_int64 = kv_indices.dtype == torch.int64
         p.qo_indptr = buf.ptr(qo_indptr) if qo_indptr is not None else 0
         p.tree_mask = buf.ptr(tree_mask) if tree_mask is not None else 0
-        p.out = buf.ptr(out)
-        p.lse = buf.ptr(lse) if lse is not None else 0
-        p.o_partial = buf.ptr(o_partial) if num_splits > 1 else 0
-        p.lse_partial = buf.ptr(lse_partial) if num_splits > 1 else 0
+        p.out = buf.ptr(out, "out", poison=True)
+        p.lse = buf.ptr(lse, "lse", poison=True) if lse is not None else 0
+        p.o_partial = buf.ptr(o_partial, "o_partial", poison=True) if num_splits > 1 else 0
+        p.lse_partial = buf.ptr(lse_partial, "lse_partial", poison=True) if num_splits > 1 else 0
         p.q_stride_t, p.q_stride_h = q.stride(0), q.stride(1)
         p.kv_stride_s = kv_cache.stride(0)
         p.o_stride_t, p.o_stride_h = out.stride(0), out.stride(1)
@@ -210,7 +223,8 @@ class PtxCudaOps:
         inv_scale = float(np.float32(1.0 / out_scale)) if fp8 else 1.0
         m = self._machine()
         buf = _Buffers(m)
-        px, pr, pw, po, pro = (buf.ptr(t) for t in (x, residual, weight, out, residual_out))
+        px, pr, pw = (buf.ptr(t) for t in (x, residual, weight))
+        po, pro = buf.ptr(out, "out", poison=True), buf.ptr(residual_out, "residual_out", poison=True)
         tname = _DTYPE_NAMES[x.dtype]
         oname = "__nv_fp8_e4m3" if fp8 else tname
         # launch_typed(): 16-byte vectors when hidden % kVec == 0 and the (simulated) device
