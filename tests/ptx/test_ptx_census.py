@@ -39,9 +39,17 @@ def test_torch_flag_fallback_matches_torch():
         assert f in flags, f
 
 
+def _private_cache(monkeypatch, path):
+    """This test's own cache folder: PTXSIM_CACHE_DIR counts only without SPEC_KERNELS_CACHE_DIR
+    (build.cache_dir), which CI and the cold/warm measurements set."""
+    monkeypatch.delenv("SPEC_KERNELS_CACHE_DIR", raising=False)
+    monkeypatch.setenv("PTXSIM_CACHE_DIR", str(path))
+    assert build.cache_dir() == str(path)
+
+
 @needs_nvcc
 def test_patched_source_is_recompiled_then_cached(tmp_path, monkeypatch):
-    monkeypatch.setenv("PTXSIM_CACHE_DIR", str(tmp_path))
+    _private_cache(monkeypatch, tmp_path)  # a warm shared cache already holds "edit 1"
     name = "csrc/tree_verify/tree_mask.cu"
     with open(os.path.join(build.REPO, name)) as f:
         text = f.read()
@@ -64,7 +72,7 @@ def test_header_edit_is_recompiled(tmp_path, monkeypatch):
     shutil.copytree(os.path.join(build.REPO, "csrc"), csrc)
     monkeypatch.setattr(build, "CSRC", str(csrc))
     monkeypatch.setattr(build, "INCLUDE", str(csrc / "include"))
-    monkeypatch.setenv("PTXSIM_CACHE_DIR", str(tmp_path / "cache"))
+    _private_cache(monkeypatch, tmp_path / "cache")
     cu = str(csrc / "tree_verify" / "tree_mask.cu")
     first = build.cuda_ptx_info(cu, "sm_120a")
     assert build.cuda_ptx_info(cu, "sm_120a").cached
