@@ -135,7 +135,8 @@ __device__ __forceinline__ uint4 load_volatile_16(const void* ptr) {
   uint4 v;
   asm volatile("ld.volatile.global.v4.u32 {%0, %1, %2, %3}, [%4];"
                : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
-               : "l"(ptr));
+               : "l"(ptr)
+               : "memory");
   return v;
 }
 
