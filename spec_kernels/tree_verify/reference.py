@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 
 from .._limits import MAX_DRAFT_TOKENS  # one 64-bit mask word per draft token
-from ..attention.reference import _range, draft_bits, tree_verify_attention  # noqa: F401 (re-exported)
+from ..attention.reference import _range, tree_verify_attention  # noqa: F401 (tree_verify_attention: re-exported)
 
 
 def tree_mask_from_parents(parents: torch.Tensor, qo_indptr: torch.Tensor, tree_mask: torch.Tensor) -> None:
