@@ -4,9 +4,11 @@ Execution model
 - Registers live in one array per register over all threads of a launch. A *group* is a set of
   whole warps that run together; its SIMT stack (frames of pc, reconvergence pc and lane mask)
   handles divergence inside a warp, with reconvergence at the branch block's immediate
-  post-dominator. A branch whose direction is uniform inside every warp but differs between warps
-  splits the group instead, so warps (and CTAs) progress independently: one CTA may spin on a
-  flag that another CTA sets later, as the kv_slots commit hand-off and the allreduce do.
+  post-dominator. A branch that sends some warps of the group one way whole splits those warps
+  off (only warps that diverge inside themselves share a SIMT stack), so warps (and CTAs)
+  progress independently: one CTA may spin on a flag that another CTA sets later, as the
+  kv_slots commit hand-off and the allreduce do, and no warp waits at a reconvergence point for
+  another warp.
 - The scheduler interleaves every group of every launch on the Machine (several launches = several
   simulated GPUs sharing memory). It runs the group with the lowest pc first (so split groups meet
   again and merge) and demotes groups that spin (nanosleep, long runs of back edges) so others

@@ -1365,19 +1365,38 @@ def h_bra(c, parts, ops, pc):
             w = r.warp_of[g.threads]
             tw = np.unique(w[tmask])
             nwp = np.unique(w[nmask])
-            if split_ok and np.intersect1d(tw, nwp).size == 0:
-                in_t = np.isin(w, tw)
-                ng = Group(r, g.threads[in_t], [Frame(x.pc, x.rpc, x.mask[in_t]) for x in g.stack])
-                ng.stack[-1].pc = target
-                ng.penalty = g.penalty
-                keep = ~in_t
-                g.threads = g.threads[keep]
-                for x in g.stack:
-                    x.mask = x.mask[keep]
-                g.stack[-1].pc = pc + 1
+            mixed = np.intersect1d(tw, nwp)  # warps that diverge inside themselves
+            if split_ok and (mixed.size < tw.size or mixed.size < nwp.size):
+                # Warps whose lanes all go one way leave the group, so that no warp waits at a
+                # reconvergence point for another warp (a CTA spinning on a flag that a CTA of
+                # the same group has already seen would then hang).
+                def carve(warps, new_pc):
+                    inside = np.isin(r.warp_of[g.threads], warps)
+                    if not inside.any():
+                        return inside | True
+                    ng = Group(r, g.threads[inside], [Frame(x.pc, x.rpc, x.mask[inside]) for x in g.stack])
+                    ng.stack[-1].pc = new_pc
+                    ng.penalty = g.penalty
+                    ng.stack = [x for x in ng.stack if x.mask.any()]
+                    r.groups.append(ng)
+                    keep = ~inside
+                    g.threads = g.threads[keep]
+                    for x in g.stack:
+                        x.mask = x.mask[keep]
+                    return keep
+
+                keep = carve(np.setdiff1d(tw, mixed), target)
+                tmask, nmask = tmask[keep], nmask[keep]
+                if mixed.size:
+                    keep = carve(np.setdiff1d(nwp, mixed), pc + 1)
+                    tmask, nmask = tmask[keep], nmask[keep]
+                    rpc = r.ipdom[pc]
+                    fr.pc = rpc
+                    g.stack.append(Frame(pc + 1, rpc, nmask))
+                    g.stack.append(Frame(target, rpc, tmask))
+                else:
+                    g.stack[-1].pc = pc + 1
                 g.stack = [x for x in g.stack if x.mask.any()]
-                ng.stack = [x for x in ng.stack if x.mask.any()]
-                r.groups.append(ng)
             else:
                 rpc = r.ipdom[pc]
                 fr.pc = rpc

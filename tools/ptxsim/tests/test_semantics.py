@@ -181,6 +181,16 @@ def test_cross_cta_handoff_makes_progress(ptx):
     np.testing.assert_array_equal(m.download(out, np.int32, (2,)), [42, sum(range(500))])
 
 
+def test_a_warp_leaving_a_loop_does_not_wait_for_another_warp_diverging_in_it(ptx):
+    """Both CTAs run in one group; at one branch CTA 0's warp goes one way whole and CTA 1's warp
+    splits. CTA 0 must not wait at the reconvergence point for CTA 1's spinning lane (a SIMT
+    stack shared by the two warps would livelock here: CTA 1's flag is set only by CTA 0)."""
+    m = Machine(spin_limit=20_000)
+    flags, out = m.upload(np.array([1, 1, 1, 0], np.int32)), m.upload(np.zeros(4, np.int32))
+    run(m, ptx, "uneven_wait", (2,), (32,), [flags, out])
+    np.testing.assert_array_equal(m.download(out, np.int32, (4,)), [1, 1, 1, 1])
+
+
 def test_deadlock_reports_every_waiting_group(ptx):
     m = Machine(spin_limit=20_000)
     with pytest.raises(Deadlock) as info:

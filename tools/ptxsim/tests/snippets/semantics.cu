@@ -112,6 +112,19 @@ extern "C" __global__ void handoff(volatile int* flag, int* out, int spins) {
   }
 }
 
+// Lanes 0-1 of two one-warp CTAs wait for flags[2 * cta + lane]. All are set from the start but
+// CTA 1's lane 1's, which CTA 0's lane 1 sets after its wait: at the first poll CTA 0's warp
+// leaves the loop whole while CTA 1's warp diverges inside it; CTA 0 must go on meanwhile.
+extern "C" __global__ void uneven_wait(volatile int* flags, int* out) {
+  if (threadIdx.x < 2) {
+    const int me = 2 * blockIdx.x + threadIdx.x;
+    while (flags[me] == 0) {
+    }
+    out[me] = 1;
+    if (me == 1) flags[3] = 1;
+  }
+}
+
 // Half of the CTA waits at a barrier, the other half for a flag that the first half sets only
 // after the barrier: nothing can progress.
 extern "C" __global__ void bad_barrier(volatile int* flag) {
