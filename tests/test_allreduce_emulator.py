@@ -2,8 +2,11 @@
 GPU-scope from system-scope ordering: the push re-arm behind a system-scope fence (the kernel's
 order) passes the push-only sequence with a late rank, the same re-arm behind a GPU-scope fence
 (the `rearm_gpu_fence` mutant: what the kernel did before) is caught there as an overwrite before
-read. The PTX interpreter cannot show this (one sequentially consistent memory), so this is the
-test of that part of the protocol; the full emulator run is `python tools/kernel_emulators/check.py`."""
+read. Its loads run early back to the block's last acquire: without the ld.acquire after a flag
+poll (one mutant per wait of pull and two-shot) a peer's row reads stale; the orderings the model
+finds unneeded (check.py UNNEEDED) pass every case. The PTX interpreter cannot show any of this
+(one sequentially consistent memory), so this is the test of that part of the protocol; the full
+emulator run is `python tools/kernel_emulators/check.py`."""
 from __future__ import annotations
 
 import importlib
@@ -38,3 +41,28 @@ def test_rearm_behind_a_gpu_scope_fence_is_caught(check):
     mutant = check.load("allreduce", "rearm_gpu_fence")
     res = check.run_case(_push_only_case(mutant))
     assert not res["ok"] and "overwrite before read" in res["note"] and "re-arm" in res["note"], res
+
+
+ACQUIRE_MUTANTS = ("pull_wait_relaxed", "twoshot_wait0_relaxed", "twoshot_wait1_relaxed")
+
+
+def _quick_cases(mod, skip_w8=True):
+    return [(label, thunk) for label, thunk in mod.cases(quick=True) if not (skip_w8 and label.startswith("W=8 hidden"))]
+
+
+@pytest.mark.parametrize("name", ACQUIRE_MUTANTS)
+def test_a_flag_wait_without_acquire_reads_a_stale_row(check, name):
+    """Caught by the early loads only: the same mutant passes when data loads read what has landed."""
+    mutant = check.load("allreduce", name)
+    label, thunk = _quick_cases(mutant)[0]
+    res = check.run_case(thunk)
+    assert not res["ok"] and "stale read" in res["note"] and "before the block's last acquire" in res["note"], res
+
+
+@pytest.mark.parametrize("name", ["push_header_wait_relaxed", "barrier_release_without_fence",
+                                  "barrier_fence_without_release"])
+def test_orderings_the_model_finds_unneeded_pass_every_case(check, name):
+    edited = check.load("allreduce", name)
+    for label, thunk in _quick_cases(edited):
+        res = check.run_case(thunk)
+        assert res["ok"], (name, label, res)

@@ -201,6 +201,32 @@ def test_cpu_timeout_raises_instead_of_hanging():
     assert "unusable after an earlier failure" in second and "call #2" in second
 
 
+def _reset_worker(rank, world):
+    from spec_kernels.comm import FusedAllReduce
+
+    comm = FusedAllReduce(max_tokens=4, hidden_size=32, dtype=torch.float32, device="cpu", timeout_s=20)
+    try:
+        comm.all_reduce(torch.ones(3 + rank, 32))  # rows differ: refused on every rank
+        return "no error"
+    except RuntimeError as exc:
+        first = str(exc)
+    try:
+        comm.all_reduce(torch.ones(2, 32))
+        refused = "no error on the broken communicator"
+    except RuntimeError as exc:
+        refused = str(exc)
+    comm.reset()
+    y = comm.all_reduce(pattern(2, 32, rank, torch.float32))
+    want = sum(pattern(2, 32, r, torch.float32) for r in range(world))
+    return first, refused, comm.seq, bool(torch.allclose(y, want, **TOL[torch.float32]))
+
+
+def test_cpu_reset_recovers_after_a_refused_call():
+    for rank, (first, refused, seq, ok) in enumerate(run_ranks(2, _reset_worker)):
+        assert "ranks disagree on the message" in first and "unusable after an earlier failure" in refused
+        assert seq == 1 and ok, f"rank {rank}: after reset(), call #{seq} gave a wrong sum"
+
+
 # --------------------------------------------------------------------------- selection, tuning
 def test_cost_model_defaults():
     cuda_ok = {a: None for a in ALGORITHMS}

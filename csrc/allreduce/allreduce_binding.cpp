@@ -25,7 +25,8 @@ void* as_ptr(int64_t p, const char* name) {
 
 void check_buffer_sizes(int64_t world, int64_t max_bytes, int64_t push_bytes) {
   TORCH_CHECK(world == 2 || world == 4 || world == 8, "world must be 2, 4 or 8, got ", world);
-  TORCH_CHECK(max_bytes > 0 && max_bytes < (int64_t{1} << 28), "max_bytes must be in (0, 2^28), got ", max_bytes);
+  TORCH_CHECK(max_bytes > 0 && max_bytes < ar::kMaxMessageBytes, "max_bytes must be in (0, ", ar::kMaxMessageBytes,
+              "), got ", max_bytes);
   TORCH_CHECK(push_bytes > 0 && push_bytes <= max_bytes, "push_bytes must be in (0, max_bytes], got ", push_bytes);
 }
 
@@ -98,6 +99,8 @@ void fused_allreduce(int64_t algorithm, int64_t rank, at::IntArrayRef bases, int
   TORCH_CHECK(x.scalar_type() == at::kHalf || x.scalar_type() == at::kBFloat16,
               "x must be float16 or bfloat16, got ", x.scalar_type());
   TORCH_CHECK(x.size(1) % 8 == 0, "x's hidden size must be a multiple of 8 (16-byte rows), got ", x.size(1));
+  TORCH_CHECK(x.size(0) <= ar::kMaxHeaderRows, "x has ", x.size(0), " rows; one call takes at most ",
+              ar::kMaxHeaderRows, " (the rows field of the message header)");
   const int64_t bytes = x.numel() * x.element_size();
   TORCH_CHECK(bytes <= max_bytes, "x has ", bytes, " bytes, more than max_bytes=", max_bytes);
   TORCH_CHECK((algorithm != ar::kOneShotPush && algorithm != ar::kOneShotPush1Block) || bytes <= push_bytes, "x has ",

@@ -18,8 +18,9 @@
 // Work split: block b of every rank handles the same rows, so the flags are per (block, rank)
 // and no grid-wide barrier is needed. Sums are in fp32, in rank order 0..W-1, rounded to the
 // element type once: every rank computes the same bits. Every flag word carries the call's
-// device sequence number and a header (operation, grid, bytes: message_header): ranks that
-// disagree on the message report kSizeMismatch instead of exchanging garbage. The grid is fixed
+// device sequence number and a header (operation, algorithm, grid, rows: message_header): ranks
+// that disagree on the message report kSizeMismatch instead of exchanging garbage, on the first
+// call (a rank whose algorithm is of the other family is found in that family's words). The grid is fixed
 // when the buffer is created (Signals::num_blocks): a launch with another grid is refused
 // (kBlocksMismatch). Every wait gives up after timeout_ns (%globaltimer) and reports kTimeout;
 // after a failure, the calls already queued on the rank do nothing but write NaN into their
@@ -90,7 +91,7 @@ struct Params {
   void* residual_out;
   ErrorWord* host_error;
   int rows, hidden, world, rank, algorithm;
-  uint32_t header;  // message_header(op, gridDim.x, bytes)
+  uint32_t header;  // message_header(op, algorithm, gridDim.x, rows)
   bool fused;
   float eps, inv_scale;
   uint64_t timeout_ns;
@@ -177,23 +178,51 @@ struct Deadline {
   }
 };
 
+// Where a peer would have announced call `seq` had it picked an algorithm of the other family
+// (the push protocol writes push headers, pull and two-shot write flags): the words its call
+// writes into this rank's buffer. Two ranks whose algorithms differ in family never meet in one
+// word, so each wait also looks here (push: the peer's round-0 flag; pull and two-shot: its
+// header in any push slot) and reports the mismatch at once instead of timing out.
+struct OtherFamily {
+  const uint64_t* first;
+  int count, stride;
+};
+
+__device__ __forceinline__ OtherFamily other_family(const Params& p, bool push, int peer, uint32_t seq) {
+  Signals* s = signals_of(p, p.rank);
+  if (push) return {&s->flags[seq & 1][0][blockIdx.x][peer], 1, 0};
+  return {&s->push_headers[0][blockIdx.x][peer], kPushSlots, kMaxBlocks * kMaxRanks};
+}
+
+// True (and reported) if the peer announced call `seq` in the other family's words.
+__device__ bool peer_in_other_family(const Params& p, const OtherFamily& other, uint32_t seq, int peer) {
+  for (int i = 0; i < other.count; ++i) {
+    const uint64_t w = load_relaxed_sys(other.first + i * other.stride);
+    if (static_cast<uint32_t>(w >> 32) == seq) {
+      report(p, kSizeMismatch, seq, peer, static_cast<uint32_t>(w));
+      return true;
+    }
+  }
+  return false;
+}
+
 // Wait until `slot` holds call `seq`'s word; false on timeout or a header that is not ours. The
 // polls are relaxed; once the word is there, one acquire load of it orders this thread's later
 // reads after the peer's release (the word cannot change meanwhile: the peer writes this slot
-// again only two calls later, which needs our flag of the next call first).
-__device__ bool wait_word(const Params& p, const uint64_t* slot, uint32_t seq, int peer) {
+// again only two calls later, which needs our flag of the next call first). Every 256 polls it
+// also looks for the peer in the other family's words.
+__device__ bool wait_word(const Params& p, const uint64_t* slot, uint32_t seq, int peer, const OtherFamily& other) {
   Deadline deadline;
-  while (true) {
-    if (static_cast<uint32_t>(load_relaxed_sys(slot) >> 32) != seq) {
-      if (deadline.expired(p, seq, peer)) return false;
-      continue;
+  for (uint32_t polls = 1;; ++polls) {
+    if (static_cast<uint32_t>(load_relaxed_sys(slot) >> 32) == seq) {
+      const uint64_t w = load_acquire_sys(slot);
+      if (static_cast<uint32_t>(w >> 32) == seq) {
+        if (static_cast<uint32_t>(w) == p.header) return true;
+        report(p, kSizeMismatch, seq, peer, static_cast<uint32_t>(w));
+        return false;
+      }
     }
-    const uint64_t w = load_acquire_sys(slot);
-    if (static_cast<uint32_t>(w >> 32) == seq) {
-      if (static_cast<uint32_t>(w) == p.header) return true;
-      report(p, kSizeMismatch, seq, peer, static_cast<uint32_t>(w));
-      return false;
-    }
+    if ((polls & 255u) == 0 && peer_in_other_family(p, other, seq, peer)) return false;
     if (deadline.expired(p, seq, peer)) return false;
   }
 }
@@ -209,7 +238,8 @@ __device__ bool block_barrier(const Params& p, uint32_t seq, int round) {
     const uint64_t word = (static_cast<uint64_t>(seq) << 32) | p.header;
     __threadfence_system();
     store_release_sys(&signals_of(p, peer)->flags[seq & 1][round][b][p.rank], word);
-    ok = wait_word(p, &signals_of(p, p.rank)->flags[seq & 1][round][b][peer], seq, peer);
+    ok = wait_word(p, &signals_of(p, p.rank)->flags[seq & 1][round][b][peer], seq, peer,
+                   other_family(p, false, peer, seq));
   }
   return __syncthreads_and(ok);
 }
@@ -454,7 +484,7 @@ __global__ void __launch_bounds__(1024, 1) oneshot_push_kernel(const Params p) {
   bool ok = true;
   if (threadIdx.x < p.world)
     ok = wait_word(p, &signals_of(p, p.rank)->push_headers[slot][blockIdx.x][threadIdx.x], seq,
-                   threadIdx.x);
+                   threadIdx.x, other_family(p, true, threadIdx.x, seq));
   if (!__syncthreads_and(ok)) return poison_outputs<T, OutT>(p);
 
   for (int row = blockIdx.x; row < p.rows; row += gridDim.x) {
@@ -583,7 +613,7 @@ cudaError_t launch(const Call& c, cudaStream_t stream) {
   const int64_t bytes = c.rows * c.hidden * 2;
   const bool push = c.algorithm == kOneShotPush || c.algorithm == kOneShotPush1Block;
   if (bytes > c.max_bytes || (push && bytes > c.push_bytes) ||
-      bytes >= (int64_t{1} << 28))
+      bytes >= kMaxMessageBytes || c.rows > kMaxHeaderRows)
     return cudaErrorInvalidValue;
   Params p{};
   for (int r = 0; r < kMaxRanks; ++r) p.bases[r] = static_cast<char*>(r < c.world ? c.bases[r] : nullptr);
@@ -602,7 +632,8 @@ cudaError_t launch(const Call& c, cudaStream_t stream) {
   p.algorithm = c.algorithm;
   const uint32_t op = c.fused ? (c.fp8_out ? 2u : 1u) : 0u;
   const int blocks = c.algorithm == kOneShotPush1Block ? 1 : c.num_blocks;
-  p.header = message_header(op, static_cast<uint32_t>(blocks), static_cast<uint64_t>(bytes));
+  p.header = message_header(op, static_cast<uint32_t>(c.algorithm), static_cast<uint32_t>(blocks),
+                            static_cast<uint32_t>(c.rows));
   p.fused = c.fused;
   p.eps = c.eps;
   p.inv_scale = c.fp8_out ? c.inv_scale : 1.f;

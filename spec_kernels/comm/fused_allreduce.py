@@ -23,15 +23,17 @@ Safety:
   the ranks, the algorithm and the call number, before any data moves. On the torch path the
   header (sequence number, tokens, hidden, dtype, operation) is an all_gather, checked on the
   host (one sync on CUDA tensors; skipped during CUDA graph capture, where shapes are fixed);
-  the CUDA kernels compare a header word on the device (call number, operation, message bytes,
-  grid size: the grid is fixed when the buffers are registered, another grid is refused).
+  the CUDA kernels compare a header word on the device (call number, operation, algorithm, rows,
+  grid size: the grid is fixed when the buffers are registered, another grid is refused; hidden
+  size and dtype are the same on every rank since construction), so ranks that picked different
+  algorithms are refused on their first call, on every rank.
 * waits time out: gloo collectives are waited for with ``timeout_s``; NCCL ones use the process
   group's own timeout (its watchdog aborts the communicator); the CUDA kernels' spin-waits
   give up after ``timeout_s`` and report to a host-mapped error word, checked at the next call,
   by ``synchronize()`` and by ``check_device_errors()`` (host memory only: safe between CUDA
   graph replays, where no per-call host code runs). A failed call and every call after it write
   NaN into their outputs, so a replayed graph never computes on stale buffers silently. A
-  communicator that failed once refuses further calls.
+  communicator that failed once refuses further calls until ``reset()`` (collective) re-arms it.
 * construction is collective and checks that all ranks agree on hidden size, dtype, max_tokens,
   device kind and tuning table, so every rank selects the same algorithm for every call.
 """
@@ -49,6 +51,7 @@ from . import selection
 from .selection import ALGORITHMS, CUDA_ALGORITHMS, AlgorithmChoice
 
 _MAGIC = 0x5350454B  # "SPEK": a header that is not ours means the ranks' call streams diverged
+_RESET = 0x52535400  # what every rank sends in reset()'s barriers
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 _OPS = ("all_reduce", "all_reduce_add_rmsnorm")
 
@@ -228,6 +231,50 @@ class FusedAllReduce:
             raise RuntimeError(f"FusedAllReduce is unusable after an earlier failure: {self._broken}")
         self._raise_device_errors()
 
+    def reset(self, timeout_s: Optional[float] = None) -> None:
+        """Recover after a failure (a kernel's timeout or mismatch report, a failed launch, a
+        header mismatch on the torch path) without re-creating the IPC mappings. Collective:
+        every rank of the group calls it, also the ranks that saw no error.
+
+        1. wait for this rank's queued kernels: they all end, since every wait gives up after
+           timeout_s and calls after a failure return at once;
+        2. a barrier (an all_gather that also checks that every rank is resetting): past it no
+           kernel of any rank touches any buffer;
+        3. re-initialise this rank's IPC buffer in place (ipc.IpcBuffers.reset) and clear its
+           error word;
+        4. a second barrier: no rank calls again before every buffer is re-armed;
+        5. clear the failure; call numbering (``seq``, the kernels' call counters) restarts at 0.
+
+        Buffers, mappings and the error word keep their addresses, so CUDA graphs that captured
+        calls of this communicator replay correctly afterwards. timeout_s bounds each barrier
+        (default twice the communicator's: a rank whose own kernels are still timing out arrives
+        late). If a barrier fails the communicator stays unusable and reset may be called again.
+        On the torch path the process group itself must still work: after a gloo collective
+        timed out, the ranks' collectives may be out of step (the barrier then raises); an NCCL
+        communicator aborted by its watchdog cannot be recovered here.
+
+        Raises:
+            RuntimeError if the communicator is closed, or a barrier failed or found a rank that
+            is not resetting.
+        """
+        if self._closed:
+            raise RuntimeError("FusedAllReduce is closed")
+        wait = 2 * self.timeout_s if timeout_s is None else float(timeout_s)
+        if not wait > 0:
+            raise ValueError(f"timeout_s must be > 0, got {timeout_s}")
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        self._algo, self._broken = "reset", None
+        for step in ("before", "after"):
+            if step == "after" and self._ipc is not None:
+                self._ipc.reset()
+            rows = self._all_gather_ints([_MAGIC, _RESET], f"the reset barrier ({step} the buffers)", wait)
+            if any(r != [_MAGIC, _RESET] for r in rows):
+                self._fail("reset: the ranks are out of step (a rank is not resetting, or the process group's "
+                           "collectives no longer pair up); recreate the group and the communicator:\n" +
+                           "\n".join(f"  rank {i}: {r}" for i, r in enumerate(rows)))
+        self._seq = 0
+
     def close(self) -> None:
         """Release the registered buffers. Idempotent; later calls raise. Not collective, but on
         the CUDA paths peers may still read this rank's buffers until they are done: close after
@@ -322,16 +369,17 @@ class FusedAllReduce:
         return self._scratch[:rows]
 
     # ------------------------------------------------------------------ torch.distributed
-    def _wait(self, work, what: str) -> None:
+    def _wait(self, work, what: str, timeout_s: Optional[float] = None) -> None:
         """Wait for a collective with the timeout (gloo); NCCL stays stream-ordered and relies on
         the process group's timeout, since a blocking wait would sync the host every call."""
+        timeout_s = self.timeout_s if timeout_s is None else timeout_s
         try:
             if "nccl" in self.backend:
                 work.wait()
             else:
-                work.wait(timeout=datetime.timedelta(seconds=self.timeout_s))
+                work.wait(timeout=datetime.timedelta(seconds=timeout_s))
         except RuntimeError as exc:
-            self._fail(f"{what} did not complete within timeout_s={self.timeout_s:g} s; a peer rank is "
+            self._fail(f"{what} did not complete within timeout_s={timeout_s:g} s; a peer rank is "
                        f"dead, stuck, or not making the same calls ({exc})", exc)
 
     def _torch_all_reduce(self, t: torch.Tensor) -> None:
@@ -342,11 +390,11 @@ class FusedAllReduce:
         if host is not t:
             t.copy_(host)
 
-    def _all_gather_ints(self, values: list[int], what: str) -> list[list[int]]:
+    def _all_gather_ints(self, values: list[int], what: str, timeout_s: Optional[float] = None) -> list[list[int]]:
         dev = torch.device("cuda", torch.cuda.current_device()) if "nccl" in self.backend else torch.device("cpu")
         mine = torch.tensor(values, dtype=torch.int64, device=dev)
         everyone = [torch.empty_like(mine) for _ in range(self.world_size)]
-        self._wait(dist.all_gather(everyone, mine, group=self.group, async_op=True), what)
+        self._wait(dist.all_gather(everyone, mine, group=self.group, async_op=True), what, timeout_s)
         return torch.stack(everyone).tolist()
 
     # ------------------------------------------------------------------ construction
@@ -369,7 +417,8 @@ class FusedAllReduce:
         else:
             from . import ipc, p2p_check
 
-            reason = self._agree(ipc.unavailable_reason(self.device, self.world_size, self.hidden_size, self.dtype),
+            reason = self._agree(ipc.unavailable_reason(self.device, self.world_size, self.hidden_size, self.dtype,
+                                                         self.max_tokens),
                                  "unavailable")
             if reason is None:  # a driver's P2P claim is no proof: test the IPC path (same verdict on all ranks)
                 reason = p2p_check.communicator_reason(self)

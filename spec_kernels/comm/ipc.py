@@ -34,10 +34,25 @@ MAX_RANKS = 8
 MAX_BLOCKS = 64  # thread blocks per call (the kernels' limit); the minimum over ranks is used
 ALGORITHM_CODES = {"oneshot_push": 0, "oneshot_pull": 1, "twoshot": 2, "oneshot_push_1block": 3}
 ERROR_OK, ERROR_TIMEOUT, ERROR_SIZE_MISMATCH, ERROR_BLOCKS_MISMATCH = 0, 1, 2, 3  # ErrorCode
+HEADER_ROW_BITS = 22  # kHeaderRowBits: the rows field of a message header
+MAX_HEADER_ROWS = (1 << HEADER_ROW_BITS) - 1  # rows of one call on the CUDA algorithms
+MAX_MESSAGE_BYTES = 1 << 28  # kMaxMessageBytes: every message is below it
+OPERATIONS = ("all_reduce", "all_reduce_add_rmsnorm", "all_reduce_add_rmsnorm (fp8 out)")  # op of the header
 
 
-def unavailable_reason(device: torch.device, world_size: int, hidden_size: int, dtype: torch.dtype) -> Optional[str]:
+def message_header(op: int, algorithm: int, blocks: int, rows: int) -> int:
+    """message_header() of norm_allreduce.h: the 32-bit header every flag word carries."""
+    return op << 30 | algorithm << 28 | (blocks - 1) << HEADER_ROW_BITS | rows
+
+
+def unavailable_reason(device: torch.device, world_size: int, hidden_size: int, dtype: torch.dtype,
+                       max_tokens: int = 1) -> Optional[str]:
     """None if the CUDA algorithms can run for this communicator, else why not."""
+    if max_tokens > MAX_HEADER_ROWS:
+        return f"they take at most {MAX_HEADER_ROWS} rows per call (max_tokens is {max_tokens})"
+    if max_tokens * hidden_size * dtype.itemsize >= MAX_MESSAGE_BYTES:
+        return (f"a message of max_tokens x hidden_size = {max_tokens} x {hidden_size} {dtype} would exceed "
+                f"their {MAX_MESSAGE_BYTES} bytes")
     if dtype not in (torch.float16, torch.bfloat16):
         return f"they take float16/bfloat16 (dtype is {str(dtype).replace('torch.', '')})"
     if world_size not in (2, 4, 8):
@@ -127,6 +142,18 @@ class IpcBuffers:
                                   self.push_bytes, self.num_blocks, x, residual, weight, out, residual_out,
                                   float(eps), out_scale, self.timeout_ns, self.error.data_ptr())
 
+    def reset(self) -> None:
+        """Re-initialise this rank's buffer in place, as at registration (init_buffer: zeroed
+        call counters, flags and error slot, the push slots re-armed with the sentinel), and
+        clear the host error word. Addresses, IPC mappings and the pinned error word stay, so
+        CUDA graphs that captured calls stay valid. Only when no kernel of any rank can touch
+        the buffers any more (FusedAllReduce.reset orders that with barriers around it)."""
+        torch.cuda.synchronize(self.index)
+        self._ops.allreduce_init_buffer(self.base, self.comm.world_size, self.max_bytes, self.push_bytes,
+                                        self.num_blocks, self.index)
+        torch.cuda.synchronize(self.index)
+        self.error.zero_()
+
     def pending_error(self) -> Optional[tuple[str, str]]:
         """A failure reported by an earlier kernel as (algorithm, message), read from host memory
         (no device sync), or None."""
@@ -175,6 +202,8 @@ def describe_error_word(word: list[int], timeout_s: float, num_blocks: int) -> O
 def _header(h: int) -> str:
     """A message header (message_header in csrc/include/spec_kernels/norm_allreduce.h) in words."""
     h &= 0xFFFFFFFF
-    op = ("all_reduce", "all_reduce_add_rmsnorm", "all_reduce_add_rmsnorm (fp8 out)")
-    kind = op[h >> 30] if (h >> 30) < len(op) else f"op#{h >> 30}"
-    return f"{kind} of {(h & 0xFFFFFF) * 16} bytes in {((h >> 24) & 63) + 1} block(s)"
+    op, algo = h >> 30, (h >> 28) & 3
+    kind = OPERATIONS[op] if op < len(OPERATIONS) else f"op#{op}"
+    name = {v: k for k, v in ALGORITHM_CODES.items()}[algo]
+    blocks = ((h >> HEADER_ROW_BITS) & 63) + 1
+    return f"{kind} of {h & MAX_HEADER_ROWS} row(s) by {name} in {blocks} block(s)"

@@ -310,7 +310,16 @@ class FusedAllReduceHooks:
         attention backend calls it before every forward step, CUDA graph replays included, where
         no per-call host code of the captured allreduces runs."""
         for comm in self.communicators():
-            comm.check_device_errors()
+            try:
+                comm.check_device_errors()
+            except RuntimeError as exc:
+                raise RuntimeError(f"{exc}\n{RECOVERY}") from exc
+
+    def reset(self) -> None:
+        """FusedAllReduce.reset() on every communicator of this process, in construction order:
+        collective, so every TP rank calls it (see RECOVERY)."""
+        for comm in self.communicators():
+            comm.reset()
 
     def close(self) -> None:
         """Close every communicator (registered with atexit)."""
@@ -320,6 +329,13 @@ class FusedAllReduceHooks:
             except Exception:  # noqa: BLE001 - at exit, nothing left to do about it
                 logger.exception("spec_kernels fused allreduce: closing %r failed", comm)
         self._comms.clear()
+
+
+RECOVERY = ("To recover without a restart: once every TP rank has stopped stepping, call "
+            "spec_kernels.sglang.hooks.active_fused_allreduce().reset() on every rank (collective; it "
+            "re-arms the fused allreduce's buffers in place, CUDA graphs stay valid). Otherwise restart the "
+            "server. A timeout means a rank was dead, stalled past timeout_s (a long JIT or graph capture) "
+            "or not making the same calls.")
 
 
 # --------------------------------------------------------------------------- installation

@@ -231,7 +231,7 @@ def test_size_mismatch_is_reported_on_every_rank(algorithm):
     inputs = [RankInput(torch.randn(5, hidden, generator=gen).to(dtype)),
               RankInput(torch.randn(4, hidden, generator=gen).to(dtype))]
     results = sim.call(algorithm, inputs)
-    headers = [message_header(0, _grid(algorithm, 2), rows * hidden * 2) for rows in (5, 4)]
+    headers = [message_header(0, ALGORITHMS[algorithm], _grid(algorithm, 2), rows) for rows in (5, 4)]
     words = []
     for rank, res in enumerate(results):
         e = res.error
@@ -254,7 +254,7 @@ def test_operation_mismatch_on_four_ranks():
     fused = _make(world, rows, hidden, dtype, "fused", gen)[2]
     inputs[2] = fused
     results = sim.call("oneshot_pull", inputs)
-    plain, op1 = message_header(0, 2, rows * hidden * 2), message_header(1, 2, rows * hidden * 2)
+    plain, op1 = message_header(0, ALGORITHMS["oneshot_pull"], 2, rows), message_header(1, ALGORITHMS["oneshot_pull"], 2, rows)
     for rank, res in enumerate(results):
         e = res.error
         assert e["code"] == K_SIZE_MISMATCH and e["rank"] == rank and e["seq"] == 1, e
@@ -262,6 +262,28 @@ def test_operation_mismatch_on_four_ranks():
             assert e["mine"] == op1 and e["theirs"] == plain and e["peer"] != 2, e
         else:
             assert e["mine"] == plain and e["theirs"] == op1 and e["peer"] == 2, e
+
+
+@pytest.mark.parametrize("first,second", [(a, b) for a in ALGOS for b in ALGOS if a != b])
+def test_algorithm_mismatch_is_refused_at_once_on_every_rank(first, second):
+    """Rank 0 runs `first`, rank 1 `second`, on the same message: both report kSizeMismatch on
+    call 1, naming each other's header (the algorithm is in it), long before the timeout, and
+    poison their outputs. Pull and two-shot meet in the same flag word; the push family is found
+    in its own words (push headers / the round-0 flag) by the other side's wait."""
+    dtype, world, hidden, rows = torch.float16, 2, 64, 3
+    gen = torch.Generator().manual_seed(23)
+    sim = SimRanks(world, hidden, dtype, max_tokens=4, num_blocks=2, timeout_ns=10 ** 7)
+    inputs = _make(world, rows, hidden, dtype, "sum", gen)
+    results = sim.call([first, second], inputs)
+    headers = [message_header(0, ALGORITHMS[a], _grid(a, 2), rows) for a in (first, second)]
+    words = []
+    for rank, res in enumerate(results):
+        e = res.error
+        assert (e["code"], e["seq"], e["rank"], e["peer"], e["mine"], e["theirs"]) == \
+            (K_SIZE_MISMATCH, 1, rank, 1 - rank, headers[rank], headers[1 - rank]), e
+        assert _poisoned(res.out), f"rank {rank}: the refused call left its output unpoisoned"
+        words.append(e)
+    _assert_failed_and_inert(sim, first, inputs, words, gen)
 
 
 @pytest.mark.parametrize("world,algorithm,timeout_ns", [(2, "oneshot_push", 1), (2, "oneshot_pull", 1),
@@ -280,7 +302,7 @@ def test_missing_rank_times_out(world, algorithm, timeout_ns):
     for rank, res in enumerate(results[:-1]):
         e = res.error
         assert (e["code"], e["seq"], e["rank"], e["peer"], e["algorithm"], e["mine"], e["theirs"]) == \
-            (K_TIMEOUT, 1, rank, world - 1, ALGORITHMS[algorithm], message_header(0, _grid(algorithm, 2), 3 * hidden * 2),
+            (K_TIMEOUT, 1, rank, world - 1, ALGORITHMS[algorithm], message_header(0, ALGORITHMS[algorithm], _grid(algorithm, 2), 3),
              0), e
         assert _poisoned(res.out), f"rank {rank} wrote output without its peer, or did not poison it"
         words[rank] = e
@@ -303,10 +325,11 @@ def test_missing_rank_times_out(world, algorithm, timeout_ns):
 _PUSH_HEADERS = 2 * 2 * K_MAX_BLOCKS * 8 * 8
 
 
-def _send_push_header(sim, to, sender, seq, nbytes, slot, block=0):
+def _send_push_header(sim, to, sender, seq, rows, slot, block=0):
     """Store `sender`'s push header word of call `seq` into rank `to`'s buffer (what the sender's
     first store of a push call does)."""
-    word = torch.tensor([(seq << 32) | message_header(0, sim.num_blocks, nbytes)], dtype=torch.int64)
+    word = torch.tensor([(seq << 32) | message_header(0, ALGORITHMS["oneshot_push"], sim.num_blocks, rows)],
+                        dtype=torch.int64)
     sim.m.write(sim.bases[to] + _PUSH_HEADERS + ((slot * K_MAX_BLOCKS + block) * 8 + sender) * 8, word.numpy())
 
 
@@ -316,7 +339,7 @@ def test_push_data_poll_times_out():
     dtype, world, hidden, rows = torch.float16, 2, 64, 3
     gen = torch.Generator().manual_seed(91)
     sim = SimRanks(world, hidden, dtype, max_tokens=4, num_blocks=1, timeout_ns=1)
-    _send_push_header(sim, 0, 1, 1, rows * hidden * 2, 1)
+    _send_push_header(sim, 0, 1, 1, rows, 1)
     res = sim.call("oneshot_push", [RankInput(torch.randn(rows, hidden, generator=gen).to(dtype)), None])[0]
     e = res.error
     assert (e["code"], e["seq"], e["rank"], e["peer"], e["algorithm"]) == (K_TIMEOUT, 1, 0, 1, 0), e
@@ -339,8 +362,8 @@ def test_push_rearm_after_hidden_change():
         inputs = _make(world, rows, hidden, dtype, "sum", gen)
         _check(sim.call("oneshot_push", inputs), inputs, dtype)
     x0, x1 = (torch.randn(3, 264, generator=gen).to(dtype) for _ in range(2))
-    seq, slot, nbytes = 4, 4 % 3, 3 * 264 * 2
-    _send_push_header(sim, 0, 1, seq, nbytes, slot)
+    seq, slot = 4, 4 % 3
+    _send_push_header(sim, 0, 1, seq, 3, slot)
     base0 = sim.bases[0]
     row0 = x1[0].clone()
     row0[row0.view(torch.int16) == -32768] = 0.0  # what the sender sends for -0.0
@@ -398,3 +421,31 @@ def test_replays_after_an_injected_timeout_are_poisoned(algorithm):
         assert res.error == word, f"replay {replay}: the error word changed to {res.error}"
         assert _poisoned(res.out) and _poisoned(res.residual_out), f"replay {replay}: outputs not poisoned"
         assert (sim.block_state(0)[:, 0] == 2).all()
+
+
+@pytest.mark.parametrize("algorithm", ALGOS)
+def test_reset_after_an_injected_timeout_gives_correct_sums(algorithm):
+    """FusedAllReduce.reset() on simulated GPUs: call 2 times out on rank 0 (rank 1 is stalled),
+    rank 1 runs call 2 late and alone, call 3 is refused and poisoned on the failed ranks; then
+    every buffer is re-armed in place (IpcBuffers.reset: init_buffer over the same addresses, the
+    error words cleared) and the next calls on both ranks give correct sums, the device call
+    counters restarting at 1."""
+    dtype, world, hidden = torch.bfloat16, 2, 64
+    gen = torch.Generator().manual_seed(121 + ALGORITHMS[algorithm])
+    sim = SimRanks(world, hidden, dtype, max_tokens=4, num_blocks=2, timeout_ns=1)
+    bases = list(sim.bases)
+    inputs = _make(world, 3, hidden, dtype, "fused", gen)
+    _check(sim.call(algorithm, inputs), inputs, dtype)
+    failed = sim.call(algorithm, [inputs[0], None])[0]
+    assert failed.error["code"] == K_TIMEOUT and _poisoned(failed.out), failed.error
+    sim.call(algorithm, [None, inputs[1]])  # the stalled rank's call 2, after the others gave up
+    for res in sim.call(algorithm, inputs):
+        if res.error["code"] != 0:
+            assert _poisoned(res.out)
+    sim.reset()
+    assert sim.bases == bases
+    for n, (rows, mode) in enumerate([(3, "fused"), (4, "sum"), (1, "fp8")], start=1):
+        inputs = _make(world, rows, hidden, dtype, mode, gen)
+        _check(sim.call(algorithm, inputs), inputs, dtype)
+        for rank in range(world):
+            assert (sim.block_state(rank)[:, 0] == n).all()

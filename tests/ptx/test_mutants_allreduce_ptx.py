@@ -39,7 +39,8 @@ import torch
 from tools.ptx_harness import build
 from ptxsim.memory import SimError
 
-from tools.ptx_harness.allreduce_glue import K_BLOCKS_MISMATCH, K_MAX_BLOCKS, KERNEL_FILE, K_TIMEOUT, REPO, RankInput, SimRanks, message_header
+from tools.ptx_harness.allreduce_glue import (ALGORITHMS, K_BLOCKS_MISMATCH, K_MAX_BLOCKS, KERNEL_FILE, K_TIMEOUT, REPO,
+                                              RankInput, SimRanks, message_header)
 import test_allreduce_ptx as ar
 
 pytestmark = pytest.mark.skipif(build.find_nvcc() is None,
@@ -48,6 +49,7 @@ pytestmark = pytest.mark.skipif(build.find_nvcc() is None,
 CU = "csrc/allreduce/fused_allreduce.cu"
 F16 = torch.float16
 HIDDEN = 64
+PUSH, PULL = ALGORITHMS["oneshot_push"], ALGORITHMS["oneshot_pull"]
 
 # ---------------------------------------------------------------------------------- the cases
 # Each case takes the PTX to run and raises AssertionError (or a SimError) when the kernel is wrong.
@@ -83,7 +85,7 @@ def case_push_peer_late(ptx, calls_before=3, torn=False):
     seq, rows = calls_before + 1, 1 if torn else 2
     for slot in range(3):
         _write_u64(sim, 0, _PUSH_HEADERS + ((slot * K_MAX_BLOCKS + 0) * 8 + 1) * 8,
-                   (seq << 32) | message_header(0, 1, rows * hidden * 2))
+                   (seq << 32) | message_header(0, PUSH, 1, rows))
     if torn:
         x1 = torch.randn(rows, hidden, generator=gen).to(F16)
         slot = seq % 3
@@ -110,7 +112,7 @@ def case_push_rank_ahead(ptx):
         slot = seq % 3
         sim.m.write(sim.bases[0] + sim.layout.push[slot] + 1 * sim.push_stride, _push_rows(x1))
         _write_u64(sim, 0, _PUSH_HEADERS + ((slot * K_MAX_BLOCKS + 0) * 8 + 1) * 8,
-                   (seq << 32) | message_header(0, 1, rows * hidden * 2))
+                   (seq << 32) | message_header(0, PUSH, 1, rows))
     for seq, (x0, x1) in ahead.items():
         res = sim.call("oneshot_push", [RankInput(x0), None])[0]
         assert res.error["code"] == 0, f"error word: rank 0's call {seq} reported {res.error}"
@@ -145,7 +147,7 @@ def case_pull_block_late(ptx):
     x = [torch.randn(rows, HIDDEN, generator=gen).to(F16) for _ in range(2)]
     staging = sim.layout.staging[1]  # call 1: staging[seq & 1]
     sim.m.write(sim.bases[1] + staging + HIDDEN * 2, x[1][1].contiguous().view(torch.int16).numpy())
-    _write_u64(sim, 0, _flag_offset(1, 0, 1, 1), (1 << 32) | message_header(0, 2, rows * HIDDEN * 2))
+    _write_u64(sim, 0, _flag_offset(1, 0, 1, 1), (1 << 32) | message_header(0, PULL, 2, rows))
     res = sim.call("oneshot_pull", [RankInput(x[0]), None])[0]
     summed = (x[0][1].float() + x[1][1].float()).to(F16)
     assert torch.equal(ar._bits(res.out[1]), ar._bits(summed)), "mismatch: row 1 is not the sum of its copies"
@@ -164,7 +166,7 @@ def case_pull_rank_ahead(ptx):
     rows = 2
     sim = SimRanks(2, HIDDEN, F16, max_tokens=rows, num_blocks=1, timeout_ns=1, ptx=ptx)
     call1 = ar._make(2, rows, HIDDEN, F16, "sum", gen)
-    header = message_header(0, 1, rows * HIDDEN * 2)
+    header = message_header(0, PULL, 1, rows)
     for staging in sim.layout.staging:
         sim.m.write(sim.bases[1] + staging, call1[1].x.contiguous().view(torch.int16).numpy())
     _write_u64(sim, 0, _flag_offset(1, 0, 0, 1), (1 << 32) | header)
@@ -222,6 +224,19 @@ def case_grid_change(ptx):
         assert ar._poisoned(res.out), f"mismatch: rank {rank}'s refused call is not poisoned"
 
 
+def case_algorithm_mismatch(ptx, first, second):
+    """2 ranks, 2 blocks, the same message, rank 0 on `first`, rank 1 on `second`: both must
+    report kSizeMismatch on call 1, long before the timeout (pull and two-shot meet in one flag
+    word whose header carries the algorithm; a push rank is found in the push headers / round-0
+    flags by the other side's wait)."""
+    gen = torch.Generator().manual_seed(21)
+    sim = SimRanks(2, HIDDEN, F16, max_tokens=3, num_blocks=2, timeout_ns=200_000, ptx=ptx)
+    results = sim.call([first, second], ar._make(2, 3, HIDDEN, F16, "sum", gen))
+    for rank, res in enumerate(results):
+        assert res.error["code"] == ar.K_SIZE_MISMATCH, \
+            f"error word: rank {rank} ({(first, second)[rank]}) reported {res.error}, not the algorithm mismatch"
+
+
 CASES = {
     "grid_change": case_grid_change,
     "push_rank_ahead": case_push_rank_ahead,
@@ -232,6 +247,8 @@ CASES = {
     "pull_rank_ahead": case_pull_rank_ahead,
     "after_failure": case_after_failure,
     "counter_wrap": case_counter_wrap,
+    "algorithm_pull_twoshot": functools.partial(case_algorithm_mismatch, first="oneshot_pull", second="twoshot"),
+    "algorithm_push_pull": functools.partial(case_algorithm_mismatch, first="oneshot_push", second="oneshot_pull"),
 }
 
 # ---------------------------------------------------------------------------------- the mutants
@@ -274,12 +291,24 @@ MUTANTS = {
         "calls queued behind a failure run (no rank_failed() check at kernel entry)",
         "  return __syncthreads_or(\n      threadIdx.x == 0 &&", "  return __syncthreads_or(\n      false &&",
         "after_failure", "inert"),
+    "header_ignores_algorithm": (
+        "the flag words' header comparison leaves out the algorithm (pull and two-shot ranks pair up)",
+        "        if (static_cast<uint32_t>(w) == p.header) return true;",
+        "        if (((static_cast<uint32_t>(w) ^ p.header) & ~(3u << 28)) == 0) return true;",
+        "algorithm_pull_twoshot", "error word"),
+    "other_family_unchecked": (
+        "the waits do not look for a peer in the other family's words (push vs pull: both time out)",
+        "    if ((polls & 255u) == 0 && peer_in_other_family(p, other, seq, peer)) return false;",
+        "    if (false && peer_in_other_family(p, other, seq, peer)) return false;",
+        "algorithm_push_pull", "error word"),
     "seq_wraps_to_zero": (
         "the call counter wraps to 0 (stale flag words read as call 0)",
         "seq == 0xffffffffu ? 2u : seq + 1", "seq + 1", "counter_wrap", "error word"),
 }
 
 # Mutants only a weak-memory model catches: (what, old text, new text, why the interpreter cannot).
+_LOADS_IN_ORDER = ("the interpreter performs every load when its instruction runs: a load after the flag poll "
+                   "can never return what memory held before the poll saw the flag")
 EMULATOR_ONLY = {
     "flag_without_fence": (
         "block_barrier: no __threadfence_system and a relaxed (not st.release) flag store",
@@ -289,6 +318,23 @@ EMULATOR_ONLY = {
         "the interpreter's memory is sequentially consistent: every store is visible to every GPU in "
         "program order, so the flag can never be seen before the staged rows it publishes; fences are "
         "only counted"),
+    "pull_wait_relaxed": (
+        "one-shot pull: the flag wait reads the word again relaxed, not with ld.acquire",
+        "      const uint64_t w = load_acquire_sys(slot);",
+        "      const uint64_t w = p.algorithm == kOneShotPull ? load_relaxed_sys(slot) : load_acquire_sys(slot);",
+        _LOADS_IN_ORDER),
+    "twoshot_wait0_relaxed": (
+        "two-shot: the first flag wait (before the reduce) without ld.acquire",
+        "      const uint64_t w = load_acquire_sys(slot);",
+        "      const uint64_t w = p.algorithm == kTwoShot && slot == &signals_of(p, p.rank)->flags[seq & 1][0]"
+        "[blockIdx.x][peer] ? load_relaxed_sys(slot) : load_acquire_sys(slot);",
+        _LOADS_IN_ORDER),
+    "twoshot_wait1_relaxed": (
+        "two-shot: the second flag wait (before reading the gather buffers) without ld.acquire",
+        "      const uint64_t w = load_acquire_sys(slot);",
+        "      const uint64_t w = p.algorithm == kTwoShot && slot == &signals_of(p, p.rank)->flags[seq & 1][1]"
+        "[blockIdx.x][peer] ? load_relaxed_sys(slot) : load_acquire_sys(slot);",
+        _LOADS_IN_ORDER),
     "rearm_gpu_fence": (
         "push: the re-arm is fenced at GPU scope only (__threadfence), not at system scope",
         "        dst[v] = make_uint4(kSentinelPair, kSentinelPair, kSentinelPair, kSentinelPair);\n    }\n"

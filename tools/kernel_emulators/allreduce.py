@@ -27,6 +27,12 @@ Model
   as late as the hardware may make them visible to another GPU. A store to an address the same
   block has a store pending for lands after it, and a block's load of such an address makes its
   own stores land first (a thread reads its own writes).
+* Loads run early too: a block's data loads that only its last ld.acquire or system-scope fence
+  orders (the staging and gather rows read after a flag wait) may be performed as early as that
+  point, so a word that landed since may still read as the value it replaced (the model takes
+  that value whenever it is allowed: the adversarial choice). Polling loads (the flag words, the
+  push data checked for the sentinel) read what has landed. Without an acquire after the flag
+  poll, a peer's rows that landed after the block's previous ordering point read as stale.
 * Every word carries a shadow: which rank wrote it for which call (call = position in the
   emulated call sequence, the same on every rank), data or sentinel, and which ranks still have
   to read it. Reading a word that does not hold the expected rank's data of the reader's call is
@@ -139,6 +145,11 @@ class Buffer:
         self.need = np.zeros(n, np.uint8)  # ranks that must read it before it may be overwritten
         self.got = np.zeros(n, np.uint8)
         self.pend = np.zeros(n, np.int16)  # stores in flight to the word
+        # Loads that run early: when (in Emu.landings) the current value landed, and the value
+        # (with its shadow) it replaced, which a load performed before that landing returns.
+        self.landed_at = np.zeros(n, np.int64)
+        self.prev = self.mem.copy()
+        self.p_call, self.p_rank, self.p_data = self.w_call.copy(), self.w_rank.copy(), self.w_data.copy()
         self._starts = [lo // 4 for _, lo, _ in layout.regions]
 
     def where(self, word):
@@ -184,9 +195,8 @@ class Params:
         self.push_stride = align_up(push_bytes)
         self.rows, self.hidden, self.world, self.rank = call.rows, call.hidden, call.world, call.rank
         self.algorithm = call.algorithm
-        nbytes = call.rows * call.hidden * 2
         op = (2 if call.fp8_out else 1) if call.fused else 0
-        self.header = op << 30 | (num_blocks - 1) << 24 | nbytes >> 4  # message_header()
+        self.header = op << 30 | call.algorithm << 28 | (num_blocks - 1) << 22 | call.rows  # message_header()
         self.fused = call.fused
         self.eps = call.eps
         self.inv_scale = call.inv_scale if call.fp8_out else 1.0
@@ -205,6 +215,9 @@ class Block:
         self.V, self.mask = thread_vectors(self.threads, self.items, self.p.hidden // VEC)
         self.smem = SharedMemory(64, "warp_sums")
         self.waiting = ""
+        # Emu.landings at the block's last acquire or system-scope fence: a later load that no
+        # acquire orders may be performed as early as this, so it may return what a word held then.
+        self.horizon = 0
 
     # ------------------------------------------------------------------ addresses
     def vec_words(self, dst, region, offs, sender=None):
@@ -233,21 +246,31 @@ class Block:
         self.emu.own_stores_land(self.key, dst, words)
         return self.emu.bufs[dst].mem[words]
 
-    def consume(self, dst, words, writer, what):
+    def consume(self, dst, words, writer, what, early=False):
         """A load whose value the kernel uses as call data: it must be `writer`'s (per word) store
-        of this call; marks the words read by this rank."""
+        of this call; marks the words read by this rank. early: nothing but the block's last
+        acquire / system fence orders the load (data read after a flag wait), so it may be
+        performed as early as that: a word that landed since returns the value it replaced (the
+        adversarial choice among the allowed ones; the polled push data, whose value is the one
+        its poll saw, is not early)."""
         self.emu.own_stores_land(self.key, dst, words)
         buf = self.emu.bufs[dst]
         writer = np.broadcast_to(np.asarray(writer), words.shape)
-        bad = ~buf.w_data[words] | (buf.w_rank[words] != writer) | (buf.w_call[words] != self.call.idx)
+        late = buf.landed_at[words] > self.horizon if early else np.zeros(words.shape, bool)
+        w_data = np.where(late, buf.p_data[words], buf.w_data[words])
+        w_rank = np.where(late, buf.p_rank[words], buf.w_rank[words])
+        w_call = np.where(late, buf.p_call[words], buf.w_call[words])
+        bad = ~w_data | (w_rank != writer) | (w_call != self.call.idx)
         if bad.any():
             j = int(np.flatnonzero(bad)[0])
             w = int(words[j])
+            before = f"rank {buf.p_rank[w]}'s word of call {buf.p_call[w]}" if buf.p_data[w] else "no data"
+            held = (f"a load performed before the block's last acquire may see what it held then ({before})"
+                    if late[j] else f"it holds {buf.holds(w)}")
             self.emu.hazard(f"stale read: rank {self.rank} block {self.b} ({what}, call {self.call.idx}) reads "
-                            f"{buf.where(w)}: it holds {buf.holds(w)}, not rank {int(writer[j])}'s word of call "
-                            f"{self.call.idx}")
+                            f"{buf.where(w)}: {held}, not rank {int(writer[j])}'s word of call {self.call.idx}")
         buf.got[words] |= np.uint8(1 << self.rank)
-        return buf.mem[words]
+        return np.where(late, buf.prev[words], buf.mem[words])
 
     def store(self, dst, words, vals, data, need, tear, what):
         if words.size:
@@ -259,6 +282,7 @@ class Block:
         ("gpu"): orders nothing another GPU observes; the stores in flight are held."""
         if scope == "sys":
             self.emu.drain_block(self.key)
+            self.horizon = self.emu.landings
         else:
             self.emu.hold_block(self.key)
 
@@ -271,10 +295,18 @@ class Block:
         self.fence()
         self.store_relaxed(dst, off, value, need, what)
 
-    def load_acquire_sys(self, off):
+    def load_relaxed_sys(self, off):
+        """ld.relaxed.sys of a 64-bit word of this rank's buffer: what has landed; it orders no
+        later load."""
         self.emu.own_stores_land(self.key, self.rank, np.array([off // 4, off // 4 + 1]))
         m = self.emu.bufs[self.rank].mem
         return int(m[off // 4]) | int(m[off // 4 + 1]) << 32
+
+    def load_acquire_sys(self, off):
+        """ld.acquire.sys: the same value, and the block's later loads are performed after it."""
+        v = self.load_relaxed_sys(off)
+        self.horizon = self.emu.landings
+        return v
 
     def state(self, field):  # BlockState of this block: seq, push_slot
         return int(self.emu.bufs[self.rank].mem[(STATE + self.b * 8) // 4 + field])
@@ -370,9 +402,12 @@ class Deadline:
         return out
 
 
-def wait_words(k, offs, seq, peers, what):
+def wait_words(k, offs, seq, peers, what, acquire=True):
     """wait_word() by threads 0..len(peers)-1, each on its word in this rank's buffer: a
-    generator (yields after every poll round) returning each thread's result."""
+    generator (yields after every poll round) returning each thread's result. acquire=False:
+    the word is read again relaxed instead of with ld.acquire (the weak-memory mutants). The
+    look-up of a peer of the other family (a push rank against a pull rank) is not
+    transliterated: no case here mixes algorithms (tests/ptx covers it)."""
     n = len(peers)
     res = [None] * n
     dl = Deadline(n)
@@ -381,8 +416,10 @@ def wait_words(k, offs, seq, peers, what):
         for j in range(n):
             if res[j] is not None:
                 continue
-            w = k.load_acquire_sys(offs[j])
+            w = k.load_relaxed_sys(offs[j])
             if (w >> 32) == seq:
+                # once the word is there (it cannot change meanwhile)
+                w = k.load_acquire_sys(offs[j]) if acquire else k.load_relaxed_sys(offs[j])
                 if (w & M32) == k.p.header:
                     k.consume(k.rank, np.array([offs[j] // 4, offs[j] // 4 + 1]), peers[j], what)
                     res[j] = True
@@ -399,7 +436,7 @@ def wait_words(k, offs, seq, peers, what):
         yield "step" if moved else "wait"
 
 
-def block_barrier(k, seq, rnd):
+def block_barrier(k, seq, rnd, acquire=True):
     """block_barrier(): threads t < world raise this rank's flag in peer t's buffer and wait for
     peer t's in ours; __syncthreads_and of the results."""
     p = k.p
@@ -408,7 +445,7 @@ def block_barrier(k, seq, rnd):
         k.fence()  # __threadfence_system()
         k.store_release_sys(peer, flag_at(seq & 1, rnd, k.b, p.rank), word, 1 << peer, f"flag round {rnd}")
     ok = yield from wait_words(k, [flag_at(seq & 1, rnd, k.b, peer) for peer in range(p.world)], seq,
-                               list(range(p.world)), f"flag round {rnd}")
+                               list(range(p.world)), f"flag round {rnd}", acquire)
     return all(ok)
 
 
@@ -431,7 +468,7 @@ def sum_ranks(k, region, offset, what):
         if q >= p.world:
             break
         words = k.vec_words(q, region, offset + vs * 16)
-        part = k.to_float(k.consume(q, words, q, what)).reshape(-1, VEC)
+        part = k.to_float(k.consume(q, words, q, what, early=True)).reshape(-1, VEC)
         acc[k.mask] = (acc[k.mask] + part).astype(F32)
         yield "step"
     acc[k.mask] = k.round_t(acc[k.mask])
@@ -521,7 +558,7 @@ def twoshot_kernel(k):
             acc = np.zeros((k.items, k.threads, VEC), F32)
             vs = k.V[k.mask]
             words = k.vec_words(o, f"gather{par}", gather + row * rb + vs * 16)
-            acc[k.mask] = k.to_float(k.consume(o, words, o, f"twoshot gather: row {row}")).reshape(-1, VEC)
+            acc[k.mask] = k.to_float(k.consume(o, words, o, f"twoshot gather: row {row}", early=True)).reshape(-1, VEC)
             finish_row(k, row, acc)
             yield "step"
     commit_state(k, seq)
@@ -679,7 +716,8 @@ def launch(call, num_blocks, max_bytes, push_bytes):
     if not sizes_ok:
         return "cudaErrorInvalidValue"
     nbytes = call.rows * call.hidden * 2
-    if nbytes > max_bytes or (call.algorithm == PUSH and nbytes > push_bytes) or nbytes >= 1 << 28:
+    if nbytes > max_bytes or (call.algorithm == PUSH and nbytes > push_bytes) or nbytes >= 1 << 28 or \
+            call.rows > (1 << 22) - 1:  # kMaxMessageBytes, kMaxHeaderRows
         return "cudaErrorInvalidValue"
     return "cudaSuccess"
 
@@ -697,6 +735,7 @@ class Emu:
         self.timeout, self.deadlock_check, self.max_turns = timeout, deadlock_check, max_turns
         self.clock = 1
         self.pending = {}  # (rank, block) -> [Entry]
+        self.landings = 0  # stores landed so far (the clock of Buffer.landed_at and Block.horizon)
         self.n_pending = 0
         self.stalled = set()
         self.stats = dict(turns=0, polls=0, torn=0, skew=0, waits=0)
@@ -727,6 +766,9 @@ class Emu:
             who = [r for r in range(self.world) if (buf.need[j] & ~buf.got[j]) >> r & 1]
             self.hazard(f"overwrite before read: rank {e.writer} ({e.what}, call {e.call}) overwrites {buf.where(j)}, "
                         f"which holds {buf.holds(j)} that rank(s) {who} have not read yet")
+        buf.prev[w], buf.p_call[w], buf.p_rank[w], buf.p_data[w] = buf.mem[w], buf.w_call[w], buf.w_rank[w], buf.w_data[w]
+        self.landings += 1
+        buf.landed_at[w] = self.landings
         buf.mem[w] = e.vals[m]
         buf.w_call[w], buf.w_rank[w], buf.w_data[w], buf.need[w], buf.got[w] = e.call, e.writer, e.data, e.need, 0
         buf.pend[w] -= 1
@@ -1010,7 +1052,7 @@ def run_failure(world, algorithm, kind, seed, hidden=64, num_blocks=2, timeout=3
         if any(getattr(e, f) != v for f, v in want.items()):
             problems.append(f"rank {r}: {e}, want {want}")
         elif kind == "mismatch":
-            hdr = lambda rows: 1 << 30 | (num_blocks - 1) << 24 | rows * hidden * 2 >> 4  # noqa: E731
+            hdr = lambda rows: 1 << 30 | algorithm << 28 | (num_blocks - 1) << 22 | rows  # noqa: E731
             mine, theirs = hdr(4 if r == 1 else 3), hdr(4 if e.peer == 1 else 3)
             if (e.mine, e.theirs) != (mine, theirs) or (r != 1 and e.peer != 1):
                 problems.append(f"rank {r}: {e}: wrong headers or peer")

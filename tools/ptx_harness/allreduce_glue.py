@@ -76,9 +76,7 @@ NUM_BLOCKS_OFFSET = Signals.num_blocks.offset
 SIGNALS_BYTES = ctypes.sizeof(Signals)
 
 
-def message_header(op: int, blocks: int, nbytes: int) -> int:
-    """message_header() of norm_allreduce.h."""
-    return op << 30 | (blocks - 1) << 24 | nbytes >> 4
+message_header = ipc.message_header
 
 
 def _align_up(v: int) -> int:
@@ -206,6 +204,14 @@ class SimRanks:
                             name=f"fill_kernel rank {r}", gpu=r) for r, b in enumerate(self.bases)]
         self.m.run(*launches, module=self.mod)
 
+    def reset(self):
+        """IpcBuffers.reset() on every rank: init_buffer() again over the same buffers (memset 0
+        over [0, push[0]), then the fill kernels) and the host error words cleared."""
+        for base, err in zip(self.bases, self.errors):
+            self.m.write(base, np.zeros(self.layout.push[0], np.uint8))
+            self.m.write(err, np.zeros(ctypes.sizeof(ErrorWord), np.uint8))
+        self._init_buffers()
+
     # ---------------------------------------------------------------- inspection
     def block_state(self, rank: int):
         """BlockState per block of `rank`: (seq, push_slot) rows."""
@@ -238,7 +244,8 @@ class SimRanks:
         nbytes = rows * hidden * x.element_size()
         if hidden % 8 or hidden < 8 or hidden > 16384:
             raise ValueError(f"hidden must be a multiple of 8 in [8, 16384], got {hidden}")
-        if nbytes > self.max_bytes or (algorithm in PUSH_ALGORITHMS and nbytes > self.push_bytes):
+        if nbytes > self.max_bytes or (algorithm in PUSH_ALGORITHMS and nbytes > self.push_bytes) or \
+                rows > ipc.MAX_HEADER_ROWS:
             raise ValueError(f"{nbytes} bytes do not fit the buffers")
         p = Params()
         for r in range(K_MAX_RANKS):
@@ -251,7 +258,7 @@ class SimRanks:
         p.host_error = self.errors[rank]
         p.rows, p.hidden, p.world, p.rank, p.algorithm = rows, hidden, self.world, rank, algorithm
         op = (2 if fp8 else 1) if fused else 0
-        p.header = message_header(op, blocks, nbytes)
+        p.header = message_header(op, algorithm, blocks, rows)
         p.fused = fused
         p.eps = inp.eps
         p.inv_scale = float(np.float32(1.0 / inp.out_scale)) if fp8 else 1.0
@@ -260,17 +267,22 @@ class SimRanks:
 
     def call(self, algorithm, inputs: Sequence[Optional[RankInput]], *, timeout_ns: Optional[int] = None,
              launch_blocks: Optional[Sequence[int]] = None):
-        """One collective call. inputs[r] is rank r's arguments, or None for a rank that does not
-        take part (it never arrives); launch_blocks[r] replaces rank r's grid (launch() launches
-        num_blocks, or 1 for oneshot_push_1block). Returns a list (per rank) of RankResult or None."""
-        algo = ALGORITHMS[algorithm] if isinstance(algorithm, str) else int(algorithm)
+        """One collective call. algorithm: a name or code, or one per rank (ranks that disagree);
+        inputs[r] is rank r's arguments, or None for a rank that does not take part (it never
+        arrives); launch_blocks[r] replaces rank r's grid (launch() launches num_blocks, or 1 for
+        oneshot_push_1block). Returns a list (per rank) of RankResult or None."""
         if len(inputs) != self.world:
             raise ValueError(f"{len(inputs)} inputs for {self.world} ranks")
+        per_rank = list(algorithm) if isinstance(algorithm, (list, tuple)) else [algorithm] * self.world
+        if len(per_rank) != self.world:
+            raise ValueError(f"{len(per_rank)} algorithms for {self.world} ranks")
         timeout_ns = self.timeout_ns if timeout_ns is None else timeout_ns
         launches, keep = [], []
         for rank, inp in enumerate(inputs):
             if inp is None:
                 continue
+            algorithm = per_rank[rank]
+            algo = ALGORITHMS[algorithm] if isinstance(algorithm, str) else int(algorithm)
             x = inp.x
             if x.dtype != self.dtype or x.dim() != 2:
                 raise ValueError(f"x must be a 2-D {self.dtype} tensor")
@@ -304,7 +316,7 @@ class SimRanks:
         stats = self.m.run(*launches, module=self.mod)
         results: list = [None] * self.world
         for (rank, shape, out_dtype, fused, ptrs), st in zip(keep, stats):
-            self.launches.append((algorithm, rank, st))
+            self.launches.append((per_rank[rank], rank, st))
             n = int(np.prod(shape))
             if out_dtype == torch.float8_e4m3fn:
                 out = _from_np(self.m.download(ptrs["out"], np.uint8, (n,)), out_dtype, shape)

@@ -41,6 +41,7 @@ namespace allreduce {
 
 constexpr int kMaxRanks = 8;
 constexpr int kMaxBlocks = 64;  // the message header has 6 bits for the grid size
+constexpr int kMaxMessageBytes = 268435456;  // 2^28: every message (and max_bytes) is below it
 
 // kOneShotPush1Block: the push protocol in one thread block (one handshake per peer instead of
 // one per block and peer): the small-message path (one token of decode).
@@ -51,9 +52,13 @@ enum ErrorCode : int { kOk = 0, kTimeout = 1, kSizeMismatch = 2, kBlocksMismatch
 
 // What every flag word carries besides the call number, so that ranks launching different calls
 // refuse instead of exchanging garbage: op (0 all_reduce, 1 + add_rmsnorm, 2 + fp8 out) << 30 |
-// (grid blocks - 1) << 24 | message bytes / 16 (messages are < 2^28 bytes, whole 16-byte rows).
-constexpr uint32_t message_header(uint32_t op, uint32_t blocks, uint64_t bytes) {
-  return op << 30 | (blocks - 1) << 24 | static_cast<uint32_t>(bytes >> 4);
+// algorithm << 28 | (grid blocks - 1) << 22 | rows. hidden and dtype are not in it: every rank
+// of a communicator has the same (FusedAllReduce checks them when it is built), so rows decide
+// the message's bytes.
+constexpr int kHeaderRowBits = 22;
+constexpr int64_t kMaxHeaderRows = (int64_t{1} << kHeaderRowBits) - 1;  // rows of one call
+constexpr uint32_t message_header(uint32_t op, uint32_t algorithm, uint32_t blocks, uint32_t rows) {
+  return op << 30 | algorithm << 28 | (blocks - 1) << kHeaderRowBits | rows;
 }
 
 // What a failed call leaves in host-mapped memory (read by the host after the fact).
