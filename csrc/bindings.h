@@ -46,8 +46,7 @@ void commit_draft_slots(at::Tensor& req_to_token, const at::Tensor& req_pool_ind
                         at::Tensor& free_pages, at::Tensor& num_free, at::Tensor& page_state, int64_t page_size,
                         int64_t max_draft, const std::optional<at::Tensor>& kv_table, int64_t kv_rows,
                         int64_t kv_unit_bytes, int64_t kv_blocks_per_request,
-                        const std::optional<at::Tensor>& move_sync, int64_t move_tag, at::Tensor& new_seq_lens,
-                        at::Tensor& status);
+                        const std::optional<at::Tensor>& move_sync, at::Tensor& new_seq_lens, at::Tensor& status);
 
 void fused_add_rmsnorm(const at::Tensor& x, const at::Tensor& residual, const at::Tensor& weight,
                        at::Tensor& out, at::Tensor& residual_out, double eps,

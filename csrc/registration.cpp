@@ -50,11 +50,11 @@ std::string compiled_constants() {
   add("kKvSlotsPageConflict", sk::kKvSlotsPageConflict);
   add("kKvSlotsStatusLen", sk::kKvSlotsStatusLen);
   add("kPageFree", sk::kPageFree);
-  add("kPageHeld", sk::kPageHeld);
+  add("kPageShared", sk::kPageShared);
   add("kPageMark", sk::kPageMark);
   add("kKvMoveSyncWords", sk::kKvMoveSyncWords);
   add("kKvMoveTagShift", sk::kKvMoveTagShift);
-  add("kKvMoveTagBits", sk::kKvMoveTagBits);
+  add("kKvMoveGenerations", sk::kKvMoveGenerations);
   add("kKvMoveMaxBlocks", sk::kKvMoveMaxBlocks);
   add("kMaxNormHidden", sk::kMaxNormHidden);
   add("kMaxRanks", ar::kMaxRanks);
@@ -118,7 +118,7 @@ TORCH_LIBRARY(spec_kernels_cuda, m) {
       "commit_draft_slots(Tensor(a!) req_to_token, Tensor req_pool_indices, Tensor seq_lens, Tensor num_draft, "
       "Tensor accept_index, Tensor accept_len, Tensor(b!) free_pages, Tensor(c!) num_free, Tensor(g!) page_state, "
       "int page_size, int max_draft, Tensor? kv_table, int kv_rows, int kv_unit_bytes, int kv_blocks_per_request, "
-      "Tensor(f!)? move_sync, int move_tag, Tensor(d!) new_seq_lens, Tensor(e!) status) -> ()");
+      "Tensor(f!)? move_sync, Tensor(d!) new_seq_lens, Tensor(e!) status) -> ()");
   m.impl("commit_draft_slots", c10::DispatchKey::CUDA, &b::commit_draft_slots);
   m.def("fused_add_rmsnorm(Tensor x, Tensor residual, Tensor weight, Tensor(a!) out, Tensor(b!) residual_out, "
         "float eps, float? out_scale) -> ()");

@@ -32,7 +32,7 @@ from spec_kernels.testing import TREE_KINDS, make_case
 IMPLS = ["reference", "triton"]
 # examples per (op, corruption kind, impl); SPEC_KERNELS_FUZZ_EXAMPLES=<n> overrides them all
 EXAMPLES = dict(dtype=12, device=12, rank=12, stride=12, shape=12, value=12, indptr=12, nonfinite=6, duplicate=8,
-                replay=12)
+                replay=12, missing=6)
 META = torch.device("meta")
 FLOATS = (torch.float16, torch.bfloat16, torch.float32)
 INDEX = (torch.int32, torch.int64)
@@ -815,10 +815,12 @@ def kv_corruption(data, kw: dict, lens: dict, op: str, kind: str) -> Bad:
     slots = kw["free_pages"].numel() * kw["page_size"]
     bound = {"req_pool_indices": kw["req_to_token"].shape[0], "seq_lens": kw["req_to_token"].shape[1],
              "num_draft": kw["max_draft"], "num_free": kw["free_pages"].numel(), "free_pages": kw["free_pages"].numel(),
-             "page_state": 2, "req_to_token": slots, "accept_index": max(kw["num_draft"].tolist() + [1]),
+             "page_state": kw["req_to_token"].shape[0] + 1, "req_to_token": slots,
+             "accept_index": max(kw["num_draft"].tolist() + [1]),
              "accept_len": kw["accept_index"].shape[1] if "accept_index" in kw else 1}[arg]
+    extra = {kv_ref.PAGE_MARK} if arg == "page_state" else set()  # owners are 1..rows; -1 PAGE_SHARED
     v = data.draw(st.sampled_from(sorted({-1, 0, 1, bound - 1, bound, bound + 1, int(t[where]) + 1,
-                                          int(t[where]) - 1})), label="value")
+                                          int(t[where]) - 1} | extra)), label="value")
     old = int(t[where])
     t[where] = v
     kw[arg] = t
@@ -917,25 +919,83 @@ def test_fuzz_commit_draft_slots(impl, kind, data):
     kv_property("commit", impl, kw, bad, live)
 
 
-@pytest.mark.parametrize("kind", KV_KINDS)
+def _page_state_reference(kw: dict) -> torch.Tensor:
+    """page_state_from_free_stack in plain Python: AssertionError where the input is invalid."""
+    fp, nf = kw["free_pages"], kw["num_free"]
+    assert fp.dim() == 1 and fp.dtype == torch.int64 and nf.shape == (1,) and nf.dtype == torch.int64
+    cap = fp.numel()
+    state = [kv_ref.PAGE_SHARED] * cap
+    top = int(nf[0])
+    assert 0 <= top <= cap, "num_free"
+    for p in fp[:top].tolist():
+        assert 0 <= p < cap and state[p] == kv_ref.PAGE_SHARED, "a page not of the pool, or twice"
+        state[p] = kv_ref.PAGE_FREE
+    names = ("req_to_token", "req_pool_indices", "seq_lens")
+    given = [n for n in names if n in kw]
+    assert len(given) in (0, 3), "requests given in part"
+    if given:
+        rtt, rows, lens, P = kw["req_to_token"], kw["req_pool_indices"], kw["seq_lens"], kw.get("page_size")
+        assert isinstance(P, int) and not isinstance(P, bool) and P >= 1 and P & (P - 1) == 0, "page_size"
+        assert rtt.dim() == 2 and rows.dim() == 1 and lens.shape == rows.shape, "shapes"
+        assert all(t.dtype in INDEX for t in (rtt, rows, lens)), "dtypes"
+        rows, lens = rows.tolist(), lens.tolist()
+        assert len(set(rows)) == len(rows), "rows twice"
+        owners: dict[int, set] = {}
+        for r, L in zip(rows, lens):
+            assert 0 <= r < rtt.shape[0] and 0 <= L <= rtt.shape[1], "row or length"
+            for slot in rtt[r, :L].tolist():
+                assert 0 <= slot < cap * P, "a slot outside the pool"
+                assert state[slot // P] != kv_ref.PAGE_FREE, "a held page on the free stack"
+                owners.setdefault(slot // P, set()).add(kv_ref.page_owner(r))
+        for page, who in owners.items():
+            state[page] = who.pop() if len(who) == 1 else kv_ref.PAGE_SHARED
+    return torch.tensor(state, dtype=torch.int32)
+
+
+@pytest.mark.parametrize("kind", KV_KINDS + ["missing"])
 @fuzz_by_kind(EXAMPLES)
 def test_fuzz_page_state_from_free_stack(kind, data):
-    cap = data.draw(st.integers(0, 6), label="pages")
-    top = data.draw(st.integers(0, cap), label="num_free")
-    order = data.draw(st.permutations(list(range(cap))), label="stack")
-    kw = dict(free_pages=torch.tensor(order, dtype=torch.int64).reshape(cap), num_free=torch.tensor([top]))
-    menu = [(k, a) for k in ("dtype", "device", "rank", "stride", "shape") for a in kw]
+    """The stack alone, or with requests (a pool with some admitted: rows, lengths, page size)."""
+    requests = kind == "missing" or data.draw(st.booleans(), label="requests given")
+    if requests:
+        state, lens, P = data.draw(kv_pool())
+        rows = data.draw(st.permutations(sorted(lens)), label="requests given")
+        rows = rows[:data.draw(st.integers(0, len(rows)), label="how many")]
+        idx = data.draw(st.sampled_from(INDEX), label="index dtype")
+        kw = dict(free_pages=state["free_pages"], num_free=state["num_free"], req_to_token=state["req_to_token"],
+                  req_pool_indices=_index(rows, idx), seq_lens=_index([lens[r] for r in rows], idx), page_size=P)
+    else:
+        cap = data.draw(st.integers(0, 6), label="pages")
+        top = data.draw(st.integers(0, cap), label="num_free")
+        order = data.draw(st.permutations(list(range(cap))), label="stack")
+        kw = dict(free_pages=torch.tensor(order, dtype=torch.int64).reshape(cap), num_free=torch.tensor([top]))
+    cap = kw["free_pages"].numel()
+    top = int(kw["num_free"])
+    tensors = [a for a in ("free_pages", "num_free", "req_to_token", "req_pool_indices", "seq_lens") if a in kw]
+    menu = [(k, a) for k in ("dtype", "device", "rank", "stride", "shape") for a in tensors]
     menu += [("value", "num_free"), ("value", "free_pages"), ("duplicate", "free_pages")]
+    if requests:
+        menu += [("value", a) for a in ("req_pool_indices", "seq_lens", "req_to_token", "page_size")]
+        menu += [("duplicate", "req_pool_indices"), ("duplicate", "req_to_token")]
+        menu += [("missing", a) for a in ("req_to_token", "req_pool_indices", "seq_lens", "page_size")]
     kind, arg = draw_kind(data, menu, kind)
-    if kind == "shape":
+    B = kw["req_pool_indices"].numel() if requests else 0
+    if kind == "missing":
+        del kw[arg]
+        bad = Bad(arg, kind, f"{arg} left out", "raise")
+    elif kind == "shape":
         size = new_size(data, kw[arg].shape[0])
         kw[arg] = resized(data, kw[arg], 0, size, fill=lambda s: torch.full(s, cap))
-        bad = Bad(arg, kind, f"{cap if arg == 'free_pages' else 1} -> {size} entries", "either")
+        # free_pages or req_to_token longer: more pages or rows; req_pool_indices: seq_lens' shape
+        bad = Bad(arg, kind, f"{cap if arg == 'free_pages' else 1} -> {size} entries", "either",
+                  names=(arg, "req_pool_indices") if arg == "seq_lens" else (arg,))
     elif kind == "value" and arg == "num_free":
         v = data.draw(st.sampled_from([-1, 0, cap, cap + 1]), label="num_free")
         kw[arg] = torch.tensor([v])
-        bad = Bad(arg, kind, f"num_free = {v} (capacity {cap})", "legal" if 0 <= v <= cap else "raise")
-    elif kind in ("value", "duplicate"):
+        # a higher stack may put a request's page on it
+        bad = Bad(arg, kind, f"num_free = {v} (capacity {cap})", "either" if requests else
+                  "legal" if 0 <= v <= cap else "raise")
+    elif arg == "free_pages" and kind in ("value", "duplicate"):
         fp = kw[arg].clone()
         if cap == 0:
             bad = Bad(arg, kind, "empty: unchanged", "legal")
@@ -945,20 +1005,61 @@ def test_fuzz_page_state_from_free_stack(kind, data):
             fp[i] = v
             clash = i < top and list(fp[:top].tolist()).count(v) > 1
             ok = i >= top or (0 <= v < cap and not clash)
-            bad = Bad(arg, kind, f"free_pages[{i}] = {v} (num_free {top}, capacity {cap})", "legal" if ok else "raise")
+            # with requests, a valid stack may now hold a request's page
+            bad = Bad(arg, kind, f"free_pages[{i}] = {v} (num_free {top}, capacity {cap})",
+                      ("either" if requests else "legal") if ok else "raise")
         kw[arg] = fp
+    elif arg == "page_size":
+        v = data.draw(st.sampled_from([0, -1, 3, True, 2.0, kw["page_size"] * 2]), label="page_size")
+        kw[arg] = v
+        bad = Bad(arg, kind, f"page_size = {v!r}", "either")
+    elif kind == "duplicate" and arg == "req_pool_indices":
+        if B < 2:
+            bad = Bad(arg, kind, "fewer than 2 requests: unchanged", "legal")
+        else:
+            r = kw[arg].clone()
+            i, j = data.draw(st.permutations(list(range(B))), label="pair")[:2]
+            r[i] = r[j]
+            kw[arg] = r
+            bad = Bad(arg, kind, f"req_pool_indices[{i}] = req_pool_indices[{j}]", "raise")
+    elif kind in ("value", "duplicate") and arg in ("req_pool_indices", "seq_lens", "req_to_token"):
+        t = kw[arg].clone()
+        if arg == "req_to_token":  # a held position, or one of another request's (a shared page)
+            spots = [(r, p) for r, L in zip(kw["req_pool_indices"].tolist(), kw["seq_lens"].tolist())
+                     for p in range(L)]
+            if not spots:
+                bad = Bad(arg, kind, "no held position: unchanged", "legal")
+                kw[arg] = t
+                return check_outcome(bad, kw, lambda: page_state_from_free_stack(**kw),
+                                     lambda: _page_state_reference(kw))
+            where = data.draw(st.sampled_from(spots), label="position")
+            if kind == "duplicate":
+                rows_all = [(r, p) for r in range(t.shape[0]) for p in range(t.shape[1]) if int(t[r, p]) >= 0]
+                v = int(t[data.draw(st.sampled_from(rows_all), label="copied from")])
+            else:
+                v = data.draw(st.sampled_from([-1, 0, cap * kw["page_size"] - 1, cap * kw["page_size"],
+                                               int(t[where]) + 1]), label="value")
+        else:
+            if B == 0:
+                kw[arg] = t
+                bad = Bad(arg, kind, "no requests: unchanged", "legal")
+                return check_outcome(bad, kw, lambda: page_state_from_free_stack(**kw),
+                                     lambda: _page_state_reference(kw))
+            where = (data.draw(st.integers(0, B - 1), label="entry"),)
+            bound = kw["req_to_token"].shape[0 if arg == "req_pool_indices" else 1]
+            v = data.draw(st.sampled_from(sorted({-1, 0, bound - 1, bound, bound + 1, int(t[where]) + 1,
+                                                  int(t[where]) - 1})), label="value")
+        old = int(t[where])
+        t[where] = v
+        kw[arg] = t
+        # a request's row and length say which entries of req_to_token it holds
+        names = (arg, "req_to_token") if arg in ("req_pool_indices", "seq_lens") else (arg,)
+        bad = Bad(arg, kind, f"{arg}{list(where)} {old} -> {v}", "either", names=names)
     else:
-        bad = meta_corruption(data, kw, kind, arg, dict(free_pages=(torch.int64,), num_free=(torch.int64,)))
-
-    def reference():
-        fp, nf = kw["free_pages"], kw["num_free"]
-        state = torch.full((fp.numel(),), kv_ref.PAGE_HELD, dtype=torch.int32)
-        for p in fp.reshape(-1)[: int(nf.reshape(-1)[0])].tolist():
-            assert state[p] == kv_ref.PAGE_HELD, "a page twice"
-            state[p] = kv_ref.PAGE_FREE
-        return state
-
-    check_outcome(bad, kw, lambda: page_state_from_free_stack(**kw), reference)
+        allowed = dict(free_pages=(torch.int64,), num_free=(torch.int64,), req_to_token=INDEX, req_pool_indices=INDEX,
+                       seq_lens=INDEX)
+        bad = meta_corruption(data, kw, kind, arg, allowed)
+    return check_outcome(bad, kw, lambda: page_state_from_free_stack(**kw), lambda: _page_state_reference(kw))
 
 
 # =========================================================================== regressions

@@ -29,21 +29,58 @@ def _fresh(page_size, pages=8, rows=3, context=16):
             spec_kernels.kv_slots.page_state_from_free_stack(free, num_free))
 
 
-@pytest.mark.parametrize("impl", IMPLS)
-def test_alloc_worked_example(impl):
-    rtt, free, num_free, state = _fresh(4)
-    rtt[2, :6] = torch.tensor([8, 9, 10, 11, 20, 21], dtype=torch.int32)  # row 2 holds pages 2 and 5, page 5 half full
+def _taken_over_pool():
+    """Page size 4, 8 pages: row 2 holds pages 2 and 5 (page 5 half full), the stack holds the rest."""
+    rtt, free, num_free, _ = _fresh(4)
+    rtt[2, :6] = torch.tensor([8, 9, 10, 11, 20, 21], dtype=torch.int32)
     free[:] = t64([7, 6, 4, 3, 1, 0, 2, 5])
     num_free[0] = 6  # free pages: 7 6 4 3 1 [0 on top]
-    state = spec_kernels.kv_slots.page_state_from_free_stack(free, num_free)
-    assert state.tolist() == [0, 0, 1, 0, 0, 1, 0, 0]  # pages 2 and 5 are held
+    return rtt, free, num_free
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+def test_alloc_worked_example(impl):
+    rtt, free, num_free = _taken_over_pool()
+    state = spec_kernels.kv_slots.page_state_from_free_stack(free, num_free, req_to_token=rtt,
+                                                             req_pool_indices=t64([2]), seq_lens=t64([6]), page_size=4)
+    assert state.tolist() == [0, 0, 3, 0, 0, 3, 0, 0]  # pages 2 and 5 are row 2's (row + 1)
     loc = spec_kernels.alloc_draft_slots(rtt, t64([2, 0]), t64([6, 0]), t64([3, 5]), free, num_free, state, 4,
                                          impl=impl)
     # row 2: positions 6, 7 fill page 5, position 8 starts a page from the top (0); row 0: pages 1 then 3.
     assert loc.tolist() == [22, 23, 0, 4, 5, 6, 7, 12]
     assert rtt[2, 6:9].tolist() == [22, 23, 0] and rtt[0, :5].tolist() == [4, 5, 6, 7, 12]
     assert num_free.item() == 3 and free.tolist() == [7, 6, 4, 3, 1, 0, 2, 5]  # popped pages stay in place
-    assert state.tolist() == [1, 1, 1, 1, 0, 1, 0, 0]  # popped 0, 1, 3: held
+    assert state.tolist() == [3, 1, 3, 1, 0, 3, 0, 0]  # popped 0 to row 2, 1 and 3 to row 0
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+def test_alloc_continues_only_a_last_page_the_request_owns(impl):
+    """A pool taken over without its requests: the pages off the stack are PAGE_SHARED, so row 2
+    cannot continue its half-full page 5; with row 2 given, it can, and row 1 pointing its last
+    slot at page 5 cannot (another row's page): refused as a whole, nothing changed."""
+    rtt, free, num_free = _taken_over_pool()
+    shared = spec_kernels.kv_slots.page_state_from_free_stack(free, num_free)
+    assert shared.tolist() == [0, 0, -1, 0, 0, -1, 0, 0]
+    cases = [(shared, [2], [6], r"request 0 \(row 2\) does not own \(page_state\[5\] = -1, held by no single request"),
+             (None, [2, 1], [6, 2], r"req_to_token\[1, 1\] = 21 \(the last slot of request 1\) is on page 5, which "
+                                    r"request 1 \(row 1\) does not own \(page_state\[5\] = 3, owned by row 2\)")]
+    for state, rows, lens, match in cases:
+        a = rtt.clone()
+        a[1, :2] = torch.tensor([20, 21], dtype=torch.int32)  # row 1's slots on row 2's page
+        if state is None:
+            state = spec_kernels.kv_slots.page_state_from_free_stack(
+                free, num_free, req_to_token=a[:, :], req_pool_indices=t64([2]), seq_lens=t64([6]), page_size=4)
+        state = state.clone()
+        args = (a, t64(rows), t64(lens), t64([1] * len(rows)), free.clone(), num_free.clone(), state, 4)
+        before = [t.clone() for t in (a, args[4], args[5], state)]
+        with pytest.raises(ValueError, match=match):
+            spec_kernels.alloc_draft_slots(*args, impl=impl)
+        assert all(torch.equal(x, y) for x, y in zip(before, (a, args[4], args[5], state)))
+        status, out = run_op("alloc", dict(req_to_token=a, req_pool_indices=args[1], seq_lens=args[2],
+                                           num_draft=args[3], free_pages=args[4], num_free=args[5], page_state=state,
+                                           page_size=4), impl)
+        assert status[0].item() == reference.STATUS_BAD_REQUEST and out.tolist() == [-1] * 8, status
+        assert all(torch.equal(x, y) for x, y in zip(before, (a, args[4], args[5], state)))
 
 
 @pytest.mark.parametrize("impl", IMPLS)
@@ -52,14 +89,14 @@ def test_commit_worked_example_page_size_1_remaps_and_copies_no_kv(impl):
     L, n = t64([2, 0]), t64([4, 3])
     loc = spec_kernels.alloc_draft_slots(rtt, t64([0, 1]), L, n, free, num_free, state, 1, impl=impl)
     assert loc.tolist() == [0, 1, 2, 3, 4, 5, 6] and num_free.item() == 1
-    assert state.tolist() == [1] * 7 + [0]
+    assert state.tolist() == [1] * 4 + [2] * 3 + [0]  # row 0's slots, row 1's (row + 1), the free one
     kv = torch.arange(8.0)[:, None].repeat(1, 2)
     new = spec_kernels.commit_draft_slots(rtt, t64([0, 1]), L, n, t64([[1, 3, -1], [0, -1, -1]]), t64([2, 1]),
                                           free, num_free, state, 1, kv_buffers=[kv], impl=impl)
     assert new.tolist() == [4, 1]
     assert rtt[0, 2:4].tolist() == [1, 3] and rtt[1, :1].tolist() == [4]  # remapped, in path order
     assert num_free.item() == 5 and free[1:5].tolist() == [0, 2, 5, 6]  # rejected: drafts 0, 2 of row 0, 1, 2 of row 1
-    assert state.tolist() == [0, 1, 0, 1, 1, 0, 0, 0]  # slots 1, 3, 4 stay held, the rejected ones are free
+    assert state.tolist() == [0, 1, 0, 1, 2, 0, 0, 0]  # slots 1, 3 stay row 0's, 4 row 1's, the rejected are free
     assert torch.equal(kv, torch.arange(8.0)[:, None].repeat(1, 2))  # page size 1: no KV moves
 
 
@@ -78,7 +115,37 @@ def test_commit_worked_example_page_size_4_moves_kv_rows(impl):
     assert k[3:7, 0].tolist() == [3.0, 5.0, 6.0, 6.0] and v[3:7, 0].tolist() == [3, 5, 6, 6]
     assert rtt[1, :6].tolist() == [0, 1, 2, 3, 4, 5]
     assert num_free.item() == 6 and free[5].item() == 2
-    assert state.tolist() == [1, 1, 0, 0, 0, 0, 0, 0]  # pages 0 and 1 hold positions 0..5
+    assert state.tolist() == [2, 2, 0, 0, 0, 0, 0, 0]  # pages 0 and 1 hold positions 0..5 of row 1
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+def test_commit_into_another_requests_slots_is_refused(impl):
+    """Request row 0 is given draft slots 15, 14, 13, 12; a commit for row 2 whose req_to_token row
+    points at 15, 14, 13 (accepting 1) would release 14 and 13, which row 0 still holds, and the
+    next alloc would hand them out again. It is refused as a whole, naming the request, position,
+    slot, page and owner, and changes nothing; row 0's own commit then goes through."""
+    rtt, free, num_free, state = _fresh(1, pages=16)
+    free[:] = torch.arange(16)
+    loc = spec_kernels.alloc_draft_slots(rtt, t64([0]), t64([0]), t64([4]), free, num_free, state, 1, impl=impl)
+    assert loc.tolist() == [15, 14, 13, 12] and state[12:].tolist() == [1, 1, 1, 1]
+    rtt[2, :3] = torch.tensor([15, 14, 13], dtype=torch.int32)
+    foreign = dict(req_to_token=rtt, req_pool_indices=t64([2]), seq_lens=t64([0]), num_draft=t64([3]),
+                   accept_index=t64([[0]]), accept_len=t64([1]), free_pages=free, num_free=num_free,
+                   page_state=state, page_size=1, kv_buffers=None)
+    before = _state(foreign)
+    match = (r"req_to_token\[2, 0\] = 15 \(draft 0 of request 0\) is on page 15, which request 0 \(row 2\) does "
+             r"not own \(page_state\[15\] = 1, owned by row 0\)")
+    with pytest.raises(ValueError, match=match):
+        _call("commit", foreign, impl)
+    assert all(torch.equal(x, y) for x, y in zip(before, _state(foreign)))
+    status, out = run_op("commit", dict(foreign, kv_buffers=[]), impl)  # the kernel alone (no host checks)
+    assert status.tolist() == [reference.STATUS_BAD_REQUEST, 0, 12, 0, 0] and out.tolist() == [0]
+    assert all(torch.equal(x, y) for x, y in zip(before, _state(foreign)))
+    new = spec_kernels.commit_draft_slots(rtt, t64([0]), t64([0]), t64([4]), t64([[0, 1]]), t64([2]), free, num_free,
+                                          state, 1, impl=impl)
+    assert new.tolist() == [2] and num_free.item() == 14 and free[12:14].tolist() == [13, 12]
+    assert spec_kernels.alloc_draft_slots(rtt, t64([1]), t64([0]), t64([2]), free, num_free, state, 1,
+                                          impl=impl).tolist() == [12, 13]  # not 14 or 15: row 0 keeps them
 
 
 CPU_LOCKSTEP = [("reference", "cpu"), ("triton", "cpu")]
@@ -291,8 +358,16 @@ def _last_page_free(a):  # request 0 (row 4, length 9) continues the page of its
     a["page_state"][_page_of(a, 4, 8)] = reference.PAGE_FREE
 
 
-def _top_page_held(a):
-    a["page_state"][int(a["free_pages"][int(a["num_free"]) - 1])] = reference.PAGE_HELD
+def _last_page_foreign(a):  # ... which row 1 owns
+    a["page_state"][_page_of(a, 4, 8)] = reference.page_owner(1)
+
+
+def _last_page_shared(a):  # ... which no single request owns
+    a["page_state"][_page_of(a, 4, 8)] = reference.PAGE_SHARED
+
+
+def _top_page_owned(a):
+    a["page_state"][int(a["free_pages"][int(a["num_free"]) - 1])] = reference.page_owner(1)
 
 
 def _top_page_twice(a):  # the batch pops 2 pages: the same one twice
@@ -304,43 +379,85 @@ def _top_page_outside(a):
     a["free_pages"][int(a["num_free"]) - 1] = a["free_pages"].numel()
 
 
-def _two_continue_one_page(a):  # request 1 (row 1, length 5) gets a draft, on request 0's last page
+def _continue_foreign_page(a):  # request 1 (row 1, length 5) gets a draft, on request 0's last page
     a["num_draft"][1] = 1
     a["req_to_token"][1, 4] = a["req_to_token"][4, 8]
+
+
+def _one_row_continued_twice(a):  # request 1 is row 4 too (the kernels do not check distinct rows)
+    a["req_pool_indices"][1], a["seq_lens"][1], a["num_draft"][1] = 4, 9, 1
 
 
 def _draft_page_free(a):  # request 2 (row 3, drafts at positions 0..4): its second page
     a["page_state"][_page_of(a, 3, 4)] = reference.PAGE_FREE
 
 
-def _draft_pages_shared(a):  # request 2's position 4 on request 0's page: released by 2, kept by 0
-    a["req_to_token"][3, 4] = a["req_to_token"][4, 8]
+def _draft_page_foreign(a):  # ... which row 1 owns
+    a["page_state"][_page_of(a, 3, 4)] = reference.page_owner(1)
+
+
+def _draft_page_shared(a):
+    a["page_state"][_page_of(a, 3, 4)] = reference.PAGE_SHARED
+
+
+def _draft_on_foreign_page(a):  # request 2's position 4 on request 0's page (page size 1: its draft slot)
+    a["req_to_token"][3, 4] = a["req_to_token"][4, 9]
 
 
 def _draft_slot_twice(a):  # page size 1: drafts 0 and 2 of request 2 on one slot
     a["req_to_token"][3, 2] = a["req_to_token"][3, 0]
 
 
+def _two_blocks_one_page(a):  # page size 4: request 2's positions 0 and 4 (two page-blocks) on one page
+    a["req_to_token"][3, 4] = a["req_to_token"][3, 0]
+
+
+NOT_OWNED = r"is on page \d+, which request {b} \(row {r}\) does not own \(page_state\[\d+\] = {v}"
 # (op, page size, spoil the args in place, exception, message, status code)
 PAGE_STATE_REFUSALS = [
-    ("alloc", 4, _last_page_free, ValueError, r"the last slot of request 0\) is on page \d+, which is not held",
+    ("alloc", 4, _last_page_free, ValueError,
+     r"the last slot of request 0\) " + NOT_OWNED.format(b=0, r=4, v=0) + r", free: was the request released",
      reference.STATUS_BAD_REQUEST),
-    ("alloc", 4, _top_page_held, ValueError, r"a page this call would pop, is not free",
-     reference.STATUS_PAGE_CONFLICT),
-    ("alloc", 1, _top_page_held, ValueError, r"a page this call would pop, is not free",
+    ("alloc", 4, _last_page_foreign, ValueError,
+     r"the last slot of request 0\) " + NOT_OWNED.format(b=0, r=4, v=2) + r", owned by row 1\)",
+     reference.STATUS_BAD_REQUEST),
+    ("alloc", 4, _last_page_shared, ValueError, NOT_OWNED.format(b=0, r=4, v=-1) + ", held by no single request",
+     reference.STATUS_BAD_REQUEST),
+    ("alloc", 4, _continue_foreign_page, ValueError,
+     r"req_to_token\[1, 4\] = \d+ \(the last slot of request 1\) " + NOT_OWNED.format(b=1, r=1, v=5)
+     + r", owned by row 4\)", reference.STATUS_BAD_REQUEST),
+    ("alloc", 4, _top_page_owned, ValueError, r"a page this call would pop, is not free \(page_state\[\d+\] = 2, "
+     r"owned by row 1\)", reference.STATUS_PAGE_CONFLICT),
+    ("alloc", 1, _top_page_owned, ValueError, r"a page this call would pop, is not free",
      reference.STATUS_PAGE_CONFLICT),
     ("alloc", 4, _top_page_twice, ValueError, r"page \d+ is twice in the part of the free stack this call pops",
      reference.STATUS_PAGE_CONFLICT),
     ("alloc", 4, _top_page_outside, ValueError, r"a page this call would pop, is not a page of the pool",
      reference.STATUS_PAGE_CONFLICT),
-    ("alloc", 4, _two_continue_one_page, ValueError, r"requests 0 and 1 both continue page",
+    # the public function refuses the repeated row first; the kernels find the page claimed twice
+    ("alloc", 4, _one_row_continued_twice, ValueError, "req_pool_indices must be distinct",
      reference.STATUS_PAGE_CONFLICT),
-    ("commit", 4, _draft_page_free, ValueError, r"\(draft 4 of request 2\) is on page \d+, which is not held",
+    ("commit", 4, _draft_page_free, ValueError,
+     r"\(draft 4 of request 2\) " + NOT_OWNED.format(b=2, r=3, v=0) + ", free: were these drafts already committed",
      reference.STATUS_BAD_REQUEST),
-    ("commit", 1, _draft_page_free, ValueError, r"\(draft 4 of request 2\) is on page \d+, which is not held",
+    ("commit", 1, _draft_page_free, ValueError, r"\(draft 4 of request 2\) " + NOT_OWNED.format(b=2, r=3, v=0),
      reference.STATUS_BAD_REQUEST),
-    ("commit", 4, _draft_pages_shared, ValueError,
-     r"holds the drafts of position 9 of request 0 and position 4 of request 2", reference.STATUS_PAGE_CONFLICT),
+    ("commit", 4, _draft_page_foreign, ValueError,
+     r"\(draft 4 of request 2\) " + NOT_OWNED.format(b=2, r=3, v=2) + r", owned by row 1\)",
+     reference.STATUS_BAD_REQUEST),
+    ("commit", 1, _draft_page_foreign, ValueError, r"\(draft 4 of request 2\) " + NOT_OWNED.format(b=2, r=3, v=2),
+     reference.STATUS_BAD_REQUEST),
+    ("commit", 4, _draft_page_shared, ValueError,
+     r"\(draft 4 of request 2\) " + NOT_OWNED.format(b=2, r=3, v=-1) + ", held by no single request",
+     reference.STATUS_BAD_REQUEST),
+    ("commit", 4, _draft_on_foreign_page, ValueError,
+     r"\(draft 4 of request 2\) " + NOT_OWNED.format(b=2, r=3, v=5) + r", owned by row 4\)",
+     reference.STATUS_BAD_REQUEST),
+    ("commit", 1, _draft_on_foreign_page, ValueError,
+     r"\(draft 4 of request 2\) " + NOT_OWNED.format(b=2, r=3, v=5) + r", owned by row 4\)",
+     reference.STATUS_BAD_REQUEST),
+    ("commit", 4, _two_blocks_one_page, ValueError,
+     r"holds the drafts of positions 0 and 4 of request 2", reference.STATUS_PAGE_CONFLICT),
     ("commit", 1, _draft_slot_twice, ValueError, r"holds the drafts of positions 0 and 2 of request 2",
      reference.STATUS_PAGE_CONFLICT),
 ]
@@ -384,13 +501,89 @@ def check_page_state_refusal(op, page_size, spoil, code, impl, device):
 def test_page_state_from_free_stack():
     free, num_free = t64([5, 0, 3, 1, 9, 9]), t64([4])  # entries beyond num_free are ignored
     state = spec_kernels.kv_slots.page_state_from_free_stack(free, num_free)
-    assert state.dtype == torch.int32 and state.tolist() == [0, 0, 1, 0, 1, 0]
+    assert state.dtype == torch.int32 and state.tolist() == [0, 0, -1, 0, -1, 0]  # off the stack: PAGE_SHARED
     with pytest.raises(ValueError, match="holds page 1 2 times"):
         spec_kernels.kv_slots.page_state_from_free_stack(t64([1, 1, 0]), t64([3]))
     with pytest.raises(ValueError, match=r"must be page ids in \[0, 3\), got range \[1, 3\]"):
         spec_kernels.kv_slots.page_state_from_free_stack(t64([3, 2, 1]), t64([3]))
     with pytest.raises(ValueError, match="num_free = 4 must be in"):
         spec_kernels.kv_slots.page_state_from_free_stack(t64([0, 1, 2]), t64([4]))
+
+
+def _owned_pool():
+    """Page size 2, 8 pages, stack [7, 6] free. Row 0 holds positions 0..2 on pages 0 and 1, row 1
+    positions 0..3 on pages 0 (shared with row 0: a common prefix) and 2, row 3 positions 0..1 on
+    page 3; pages 4, 5 are held by a request not given (row 2)."""
+    rtt = torch.full((4, 6), -1, dtype=torch.int32)
+    rtt[0, :3] = torch.tensor([0, 1, 2], dtype=torch.int32)
+    rtt[1, :4] = torch.tensor([0, 1, 4, 5], dtype=torch.int32)
+    rtt[2, :4] = torch.tensor([8, 9, 10, 11], dtype=torch.int32)
+    rtt[3, :2] = torch.tensor([6, 7], dtype=torch.int32)
+    return rtt, t64([7, 6, 0, 1, 2, 3, 4, 5]), t64([2])
+
+
+def test_page_state_from_free_stack_with_requests():
+    """The given requests' pages get their owner (row + 1); a page two of them hold (a shared
+    prefix) and the pages of requests not given are PAGE_SHARED; row 0 may continue its own
+    half-full page 1, and nobody may continue or commit into the shared page 0."""
+    rtt, free, num_free = _owned_pool()
+    requests = dict(req_to_token=rtt, req_pool_indices=t64([3, 0, 1]), seq_lens=t64([2, 3, 4]), page_size=2)
+    state = spec_kernels.kv_slots.page_state_from_free_stack(free, num_free, **requests)
+    assert state.tolist() == [-1, 1, 2, 4, -1, -1, 0, 0]
+    for dtype in (torch.int32, torch.int64):  # index dtypes; a request with no positions holds nothing
+        again = spec_kernels.kv_slots.page_state_from_free_stack(
+            free, num_free, req_to_token=rtt.long(), req_pool_indices=t64([3, 0, 1, 2]).to(dtype),
+            seq_lens=t64([2, 3, 4, 0]).to(dtype), page_size=2)
+        assert torch.equal(again, state)
+    loc = spec_kernels.alloc_draft_slots(rtt, t64([0]), t64([3]), t64([2]), free, num_free, state, 2)
+    assert loc.tolist() == [3, 12] and state.tolist() == [-1, 1, 2, 4, -1, -1, 1, 0]
+    rtt[3, 0] = 0  # row 3 of length 1 would continue page 0
+    with pytest.raises(ValueError, match=r"request 0 \(row 3\) does not own \(page_state\[0\] = -1, held by no"):
+        spec_kernels.alloc_draft_slots(rtt, t64([3]), t64([1]), t64([1]), free, num_free, state, 2)
+    rtt[3, 2:4] = torch.tensor([0, 1], dtype=torch.int32)  # row 3's drafts on page 0
+    with pytest.raises(ValueError, match=r"request 0 \(row 3\) does not own \(page_state\[0\] = -1, held by no"):
+        spec_kernels.commit_draft_slots(rtt, t64([3]), t64([2]), t64([2]), t64([[0]]), t64([1]), free, num_free,
+                                        state, 2, kv_buffers=[torch.zeros(16, 2)])
+
+
+@pytest.mark.parametrize("name,value,match", [
+    ("req_pool_indices", None, "req_pool_indices must be given with req_to_token and seq_lens"),
+    ("page_size", None, "page_size must be given with the requests"),
+    ("page_size", 3, "page_size must be a power of two >= 1, got 3"),
+    ("page_size", 2.0, "page_size must be an int"),
+    ("req_pool_indices", t64([3, 0, 4]), r"req_pool_indices\[2\] = 4 is not a row of req_to_token \(0..3\)"),
+    ("req_pool_indices", t64([3, 0, 3]), "req_pool_indices must be distinct"),
+    ("req_pool_indices", t64([3, 0]), r"seq_lens must have shape \(2,\)"),
+    ("seq_lens", t64([2, 3, 7]), r"seq_lens\[2\] = 7 must be in \[0, 6\]"),
+    ("seq_lens", t64([2, -1, 4]), r"seq_lens\[1\] = -1 must be in"),
+    ("seq_lens", t64([2, 4, 4]), r"req_to_token\[0, 3\] = -1 \(position 3 of request 1\) is not a slot of the pool "
+                                 r"\(free_pages.numel\(\) = 8 pages of 2: slots 0..15\)"),
+    ("seq_lens", t64([3, 3, 4]), r"req_to_token\[3, 2\] = -1 \(position 2 of request 0\) is not a slot"),
+    ("req_to_token", "free slot", r"req_to_token\[1, 3\] = 13 \(position 3 of request 2\) is on page 6, which is on "
+                                  r"the free stack"),
+    ("req_to_token", "float", "req_to_token must have dtype int32, int64"),
+    ("req_to_token", "meta", "req_to_token must be on cpu"),
+    ("seq_lens", "2-D", "seq_lens must be 1-D"),
+])
+def test_page_state_from_free_stack_refuses_bad_requests(name, value, match):
+    rtt, free, num_free = _owned_pool()
+    kw = dict(req_to_token=rtt, req_pool_indices=t64([3, 0, 1]), seq_lens=t64([2, 3, 4]), page_size=2)
+    if value == "free slot":
+        rtt[1, 3] = 13  # page 6 is on the stack
+    elif value == "float":
+        kw[name] = rtt.float()
+    elif value == "meta":
+        kw[name] = rtt.to("meta")
+    elif value == "2-D":
+        kw[name] = kw[name][None]
+    else:
+        kw[name] = value
+    if kw[name] is None:
+        del kw[name]
+    before = [t.clone() for t in (rtt, free, num_free)]
+    with pytest.raises((ValueError, TypeError), match=match):
+        spec_kernels.kv_slots.page_state_from_free_stack(free, num_free, **kw)
+    assert all(torch.equal(x, y) for x, y in zip(before, (rtt, free, num_free)))
 
 
 def run_op(op, args, impl, total_draft=8, max_draft=8):
@@ -544,9 +737,9 @@ def test_kv_table_is_cached_and_aligned():
     assert kv_table([torch.zeros(10, 3, dtype=torch.int16)]).unit_bytes == 2
 
 
-def _hand_off_commit(move_sync, tag, device="cpu", impl="triton", num_shares=1, make_bad=None):
+def _hand_off_commit(move_sync, device="cpu", impl="triton", num_shares=1, make_bad=None):
     """The commit of make_args (page size 4, rows move; make_bad = (name, fn) spoils an argument)
-    through one kernel with the given scratch and tag; returns (status, new_seq_lens, the args
+    through one kernel with the given hand-off scratch; returns (status, new_seq_lens, the args
     after)."""
     from spec_kernels.kv_slots import api
 
@@ -560,10 +753,10 @@ def _hand_off_commit(move_sync, tag, device="cpu", impl="triton", num_shares=1, 
               a["accept_len"], a["free_pages"], a["num_free"], a["page_state"], a["page_size"], 8)
     table = kv_table(a["kv_buffers"])
     if impl == "triton":
-        triton_kernel.commit_draft_slots(*common, table, new, status, num_shares, move_sync, tag)
+        triton_kernel.commit_draft_slots(*common, table, new, status, num_shares, move_sync)
     else:
         api.cuda_ops().commit_draft_slots(*common, table.table, table.num_rows, table.unit_bytes, num_shares,
-                                          move_sync, tag, new, status)
+                                          move_sync, new, status)
     return status.cpu(), new.cpu(), a
 
 
@@ -577,52 +770,78 @@ def _expected_commit():
     return status, new, a
 
 
-def check_hand_off_scratch(device, impl):
-    """Commits that move KV rows hand the verdict from the bookkeeping block to the move blocks
-    through scratch words tagged per call: any contents under other tags (stale scratch of earlier
-    calls, zeros, garbage) are ignored, the result is the reference's, and the scratch is zeroed
-    afterwards (so that a CUDA-graph replay, which reuses its tag, starts clean)."""
-    from spec_kernels.kv_slots.api import move_sync
+GENERATIONS = triton_kernel.MOVE_GENERATIONS
 
+
+def tag_word(generation, value=0):
+    """An election / verdict word of the hand-off as the launch of `generation` writes it."""
+    return ((generation + 1) << triton_kernel.MOVE_TAG_SHIFT) | value
+
+
+def next_generation(generation):
+    return generation + 1 if generation + 1 < GENERATIONS else 0
+
+
+# Scratch contents [generation g, election, verdict, blocks finished] a launch may find: zeros;
+# the previous generation's words (a launch that did not clear them; its verdict "accepted" or
+# "refused", its count); words of other generations (what any other launch's tag would write);
+# the last generation, whose successor is 0; words that are no tag at all. None may fool the
+# election or the wait: the result is the reference's, and the launch leaves [next(g), 0, 0, 0].
+STALE_SCRATCH = [
+    [0, 0, 0, 0],
+    [5, tag_word(4), tag_word(4, reference.STATUS_OK), 2],
+    [5, tag_word(4), tag_word(4, reference.STATUS_BAD_REQUEST), 9],
+    [5, tag_word(6), tag_word(6, reference.STATUS_OK), 1],
+    [5, tag_word(GENERATIONS - 1), tag_word(0, reference.STATUS_OK), 0],
+    [GENERATIONS - 1, tag_word(GENERATIONS - 2), tag_word(GENERATIONS - 2, reference.STATUS_OK), 3],
+    [3, -1, 7, 1 << 62],
+]
+
+
+def check_hand_off_scratch(device, impl, fills=STALE_SCRATCH, shares_list=(1, 3)):
+    """Commits that move KV rows hand the verdict from the bookkeeping block to the move blocks
+    through scratch words tagged with the launch's generation: whatever the scratch holds besides
+    the generation (STALE_SCRATCH), the result is the reference's, and the launch leaves the
+    generation advanced and the other words zero."""
     want_status, want_new, want = _expected_commit()
-    _, tag = move_sync(device)
-    old_tag = tag - 1
-    for fill in ([0, 0, 0], [(old_tag << 25) | 5, (old_tag << 25) | 3, (old_tag << 25) | 9], [-1, 7, 1 << 62]):
-        for shares in (1, 3):
+    for fill in fills:
+        for shares in shares_list:
             scratch = torch.tensor(fill, dtype=torch.int64, device=device)
-            status, new, got = _hand_off_commit(scratch, tag, device, impl, shares)
-            assert status.tolist() == want_status.tolist() and new.tolist() == want_new.tolist()
+            status, new, got = _hand_off_commit(scratch, device, impl, shares)
+            assert status.tolist() == want_status.tolist() and new.tolist() == want_new.tolist(), (fill, shares)
             for name in ("req_to_token", "free_pages", "num_free", "page_state"):
                 assert torch.equal(got[name].cpu(), want[name]), name
             for x, y in zip(got["kv_buffers"], want["kv_buffers"]):
                 assert torch.equal(x.cpu(), y)
-            assert scratch.tolist() == [0, 0, 0], f"scratch left {scratch.tolist()} (fill {fill}, shares {shares})"
-            tag += 1
+            left = scratch.tolist()
+            assert left == [next_generation(fill[0]), 0, 0, 0], f"scratch left {left} (fill {fill}, shares {shares})"
 
 
-def test_hand_off_scratch_needs_no_initialisation_and_is_zeroed_after():
+def test_hand_off_scratch_is_not_fooled_by_stale_words_and_advances_its_generation():
     check_hand_off_scratch("cpu", "triton")
 
 
-def check_refused_then_accepted_with_one_scratch_and_tag(device, impl):
-    """A CUDA-graph replay reuses its tag and scratch: a refused launch must leave nothing that
-    the next launch with the same tag could mistake for its own (e.g. a stale verdict)."""
-    from spec_kernels.kv_slots.api import move_sync
-
+def check_refused_then_accepted_with_one_scratch(device, impl):
+    """Consecutive launches on one scratch: a refused launch must leave nothing that the next
+    launch could mistake for its own (e.g. a stale verdict), and it advances the generation too.
+    A CUDA-graph replay starts from a zeroed scratch (the captured memset): zeros again, then the
+    same step as the first."""
     want_status, want_new, want = _expected_commit()
-    scratch, tag = move_sync(device)
+    scratch = torch.zeros(triton_kernel.MOVE_SYNC_WORDS, dtype=torch.int64, device=device)
     bad = _set(0, 4)  # accept_len 4 > 3 drafts: refused
-    status, new, got = _hand_off_commit(scratch, tag, device, impl, 2, make_bad=("accept_len", bad))
-    assert status[0].item() == reference.STATUS_BAD_REQUEST and scratch.tolist() == [0, 0, 0]
-    status, new, got = _hand_off_commit(scratch, tag, device, impl, 2)
-    assert status.tolist() == want_status.tolist() and new.tolist() == want_new.tolist()
-    for x, y in zip(got["kv_buffers"], want["kv_buffers"]):
-        assert torch.equal(x.cpu(), y)
-    assert scratch.tolist() == [0, 0, 0]
+    status, new, got = _hand_off_commit(scratch, device, impl, 2, make_bad=("accept_len", bad))
+    assert status[0].item() == reference.STATUS_BAD_REQUEST and scratch.tolist() == [1, 0, 0, 0]
+    for generation in (1, 0):
+        status, new, got = _hand_off_commit(scratch, device, impl, 2)
+        assert status.tolist() == want_status.tolist() and new.tolist() == want_new.tolist()
+        for x, y in zip(got["kv_buffers"], want["kv_buffers"]):
+            assert torch.equal(x.cpu(), y)
+        assert scratch.tolist() == [generation + 1, 0, 0, 0]
+        scratch.zero_()
 
 
-def test_refused_then_accepted_with_one_scratch_and_tag():
-    check_refused_then_accepted_with_one_scratch_and_tag("cpu", "triton")
+def test_refused_then_accepted_with_one_scratch():
+    check_refused_then_accepted_with_one_scratch("cpu", "triton")
 
 
 def check_empty_batch_with_kv_buffers(device, impls):
@@ -644,13 +863,92 @@ def test_empty_batch_with_kv_buffers():
     check_empty_batch_with_kv_buffers("cpu", IMPLS)
 
 
-def test_move_sync_tags_are_new_and_in_range():
-    from spec_kernels.kv_slots.api import move_sync
+def test_move_sync_is_zeroed_library_owned_and_one_per_thread():
+    """CPU calls use one scratch per thread (launches of one thread never overlap), created
+    zeroed; every commit that moves rows advances its generation by one."""
+    import threading
 
-    tags = [move_sync("cpu")[1] for _ in range(3)]
-    assert len(set(tags)) == 3 and all(1 << 32 <= t < 1 << triton_kernel.MOVE_TAG_BITS for t in tags)
+    from spec_kernels.kv_slots import api
+
+    mine = api.move_sync("cpu")
+    assert api.move_sync(torch.device("cpu")) is mine and mine.dtype == torch.int64
+    assert mine.shape == (triton_kernel.MOVE_SYNC_WORDS,) and mine[1:].tolist() == [0, 0, 0]
+    other = []
+    worker = threading.Thread(target=lambda: other.append(api.move_sync("cpu")))
+    worker.start()
+    worker.join()
+    assert other[0] is not mine and other[0].tolist() == [0, 0, 0, 0]
+    before = int(mine[0])
+    sim = Sim(CPU_LOCKSTEP, num_pages=30, page_size=16, draw=Draw(seed=8))
+    sim.admit([0, 1], [5, 20])
+    assert sim.step([0, 1], [6, 4], [[0, 2, 5], [1]]) and sim.step([1, 0], [3, 0], [[0, 2], []])
+    assert mine.tolist() == [next_generation(next_generation(before)), 0, 0, 0]
     with pytest.raises(ValueError, match="needs move_sync"):
-        _hand_off_commit(None, tags[0])
+        _hand_off_commit(None)
+    with pytest.raises(ValueError, match="needs move_sync"):
+        _hand_off_commit(torch.zeros(3, dtype=torch.int64))
+
+
+# --------------------------------------------------------------------------- Triton mutants
+# Deliberate bugs in spec_kernels/kv_slots/triton_kernel.py, the Triton twins of CUDA mutants of
+# tests/ptx/test_mutants_kv_slots_ptx.py: each edit's text must occur exactly once; the patched
+# module replaces the Triton implementation, and the named check (a test of this file) must fail.
+# name: (old text, new text, check)
+TRITON_MUTANTS = {
+    "commit_owner_unchecked": (  # a draft page held by anyone passes, not only the request's own
+        "in_pool = in_pool & (owner == (r + 1)[:, None])", "in_pool = in_pool & (owner > 0)", "foreign_commit"),
+    "continuation_owner_unchecked": (  # a continued last page held by anyone passes
+        "in_pool = in_pool & (owner == r + 1)", "in_pool = in_pool & (owner > 0)", "foreign_continuation"),
+    "popped_owner_row0": (  # every popped page gets 1 (row 0; the former "held")
+        "(r[:, None] + 1 + tl.zeros_like(pos)).to(tl.int32))", "(1 + tl.zeros_like(pos)).to(tl.int32))", "alloc"),
+    "tag_ignored": (  # the election ignores the tag: a stale word makes every program lose
+        "    won = (seen >> _TAG_SHIFT) != tag\n", "    won = seen == 0\n", "hand_off"),
+    "tag_is_generation": (  # tag 0 in a fresh scratch: a cleared word passes for it
+        "        tag = generation + 1\n", "        tag = generation\n", "hand_off"),
+    "generation_not_advanced": (
+        "            tl.atomic_xchg(SYNC + _GENERATION, tl.where(generation + 1 < _GENERATIONS, generation + 1, 0))\n",
+        "", "hand_off"),
+    "no_scratch_reset": ("            tl.atomic_xchg(SYNC + _ELECTION, 0)\n", "", "hand_off"),
+}
+
+
+def _triton_check(check):
+    if check == "foreign_commit":
+        test_commit_into_another_requests_slots_is_refused("triton")
+    elif check == "foreign_continuation":
+        check_page_state_refusal("alloc", 4, _last_page_foreign, reference.STATUS_BAD_REQUEST, "triton", "cpu")
+    elif check == "alloc":
+        test_alloc_worked_example("triton")
+    else:  # a zeroed scratch, then the previous generation's words
+        check_hand_off_scratch("cpu", "triton", fills=STALE_SCRATCH[:2], shares_list=(2,))
+
+
+@pytest.mark.parametrize("check", sorted({c for *_, c in TRITON_MUTANTS.values()}))
+def test_triton_mutant_checks_pass_unmutated(check):
+    _triton_check(check)
+
+
+@pytest.mark.parametrize("name", sorted(TRITON_MUTANTS))
+def test_triton_mutant_is_caught(name, tmp_path, monkeypatch):
+    import importlib.util
+    import inspect
+
+    from spec_kernels.kv_slots import api
+
+    old, new, check = TRITON_MUTANTS[name]
+    text = inspect.getsource(triton_kernel)
+    assert text.count(old) == 1, f"mutant text found {text.count(old)} times in triton_kernel.py: {old!r}"
+    path = tmp_path / f"triton_kernel_{name}.py"
+    path.write_text(text.replace(old, new))
+    spec = importlib.util.spec_from_file_location(f"spec_kernels.kv_slots._mutant_{name}", path)
+    mutant = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mutant)
+    monkeypatch.setattr(api, "triton_kernel", mutant)
+    monkeypatch.setitem(api.ALLOC.impls, "triton", mutant.alloc_draft_slots)
+    monkeypatch.setitem(globals(), "triton_kernel", mutant)
+    with pytest.raises((AssertionError, pytest.fail.Exception)) as caught:
+        _triton_check(check)
+    print(f"{name} caught by {check}: {(str(caught.value).strip().splitlines() or [''])[0][:200]}")
 
 
 # --------------------------------------------------------------------------- GPU
@@ -707,9 +1005,31 @@ def test_gpu_page_state_refusals_change_nothing(impl, op, page_size, spoil, exc,
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("impl", ["cuda", "triton"])
-def test_gpu_hand_off_scratch_needs_no_initialisation_and_is_zeroed_after(impl):
+def test_gpu_hand_off_scratch_is_not_fooled_by_stale_words_and_advances_its_generation(impl):
     check_hand_off_scratch("cuda", impl)
-    check_refused_then_accepted_with_one_scratch_and_tag("cuda", impl)
+    check_refused_then_accepted_with_one_scratch("cuda", impl)
+
+
+@pytest.mark.gpu
+def test_gpu_move_sync_one_per_stream_and_fresh_while_capturing():
+    """Eager calls: one zeroed scratch per (device, stream), kept; during capture a new zeroed one
+    per call (a memset node in the graph), never the eager ones."""
+    from spec_kernels.kv_slots import api
+
+    first = api.move_sync("cuda")
+    assert api.move_sync(torch.device("cuda", torch.cuda.current_device())) is first
+    side = torch.cuda.Stream()
+    with torch.cuda.stream(side):
+        other = api.move_sync("cuda")
+    assert other is not first and other.tolist() == [0, 0, 0, 0]
+    torch.cuda.synchronize()
+    graph, captured = torch.cuda.CUDAGraph(), []
+    with torch.cuda.graph(graph):
+        captured += [api.move_sync("cuda"), api.move_sync("cuda")]
+    assert len({t.data_ptr() for t in captured + [first, other]}) == 4
+    graph.replay()
+    torch.cuda.synchronize()
+    assert all(t.tolist() == [0, 0, 0, 0] for t in captured)
 
 
 @pytest.mark.gpu
@@ -723,8 +1043,8 @@ def test_gpu_empty_batch_with_kv_buffers():
 def test_gpu_alloc_and_commit_capture_in_a_cuda_graph(impl, page_size):
     """One step (alloc, write the drafts' KV, commit) captured in a CUDA graph and replayed twice
     equals the reference doing the step twice: no host sync, no allocation outside the graph's
-    pool, and the commit's hand-off scratch (page size 16) is clean again for the second replay,
-    which reuses the captured tag."""
+    pool, and the commit's hand-off scratch (page size 16, the graph's own, zeroed by a captured
+    memset) starts from zeros in every replay."""
     sim = Sim([("reference", "cpu"), (impl, "cuda")], num_pages=400 // page_size + 8, page_size=page_size,
               draw=Draw(seed=2))
     sim.admit([0, 2, 5], [7, 0, 33])

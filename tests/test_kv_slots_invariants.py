@@ -9,12 +9,14 @@ satisfy:
 
 * no slot (page) is held by two positions (requests); a position sits at offset pos % P of its page;
 * held pages plus the free stack are exactly the pool: nothing leaked, nothing freed twice;
-* page_state says held for exactly the held pages and free for exactly the stack's;
+* page_state gives every held page its holder's owner value (row + 1) and exactly the stack's
+  pages PAGE_FREE;
 * every held position reads back the KV of the token the truth says is there.
 
 Adversarial sequences (the end of this file) replay commits, commit slots never allocated or
-already released, and corrupt the stack or req_to_token: every such call must be refused as a
-whole, leaving every tensor byte for byte as it was, and the invariants must still hold.
+already released, commit into or continue another request's pages (a req_to_token row pointing
+into them), and corrupt the stack or req_to_token: every such call must be refused as a whole,
+leaving every tensor byte for byte as it was, and the invariants must still hold.
 
 The other kv_slots tests reuse Sim (tests/test_kv_slots.py).
 """
@@ -348,10 +350,13 @@ class Sim:
         assert not set(free) & set(owner), f"pages both held and free: {set(free) & set(owner)}"
         assert set(free) | set(owner) == set(range(C)), f"pages leaked: {set(range(C)) - set(free) - set(owner)}"
         state = st_.page_state.cpu()
-        want = torch.full((C,), reference.PAGE_HELD, dtype=torch.int32)
+        want = torch.full((C,), reference.PAGE_SHARED, dtype=torch.int32)  # (every page is held or free)
+        for page, row in owner.items():
+            want[page] = reference.page_owner(row)
         want[torch.tensor(free, dtype=torch.int64)] = reference.PAGE_FREE
         wrong = (state != want).nonzero().flatten().tolist()
-        assert not wrong, f"page_state disagrees with the stack at pages {wrong}"
+        assert not wrong, (f"page_state disagrees with the stack and the holders at pages {wrong}: "
+                           f"{state[wrong].tolist()} instead of {want[wrong].tolist()}")
 
 
 # --------------------------------------------------------------------------- the tests
@@ -413,7 +418,7 @@ def released_by(sim: Sim, pending: Pending, paths: list[list[int]]) -> int:
 def replay_commit(sim: Sim, pending: Pending, paths: list[list[int]]) -> None:
     """The commit just made, again (the reported bug: its rejected slots would be pushed twice)."""
     sim.expect_refused(lambda st_: sim.commit_call(st_, pending, paths, check_status=True),
-                       match="which is not held|cannot be freed or kept twice")
+                       match="does not own|cannot be freed or kept twice")
 
 
 def release_request(sim: Sim, row: int) -> None:
@@ -456,7 +461,84 @@ def commit_never_allocated(sim: Sim) -> bool:
         st_.req_to_token[row, L:L + n] = torch.tensor(slots, dtype=st_.req_to_token.dtype)
     fake = Pending([row], [L], [n], torch.tensor(slots))
     path = random_path(draw, n)
-    sim.expect_refused(lambda st_: sim.commit_call(st_, fake, [path], check_status=True), match="which is not held")
+    sim.expect_refused(lambda st_: sim.commit_call(st_, fake, [path], check_status=True),
+                       match=r"does not own \(page_state\[\d+\] = 0, free")
+    return True
+
+
+def _pages_of(sim: Sim, row: int) -> list[int]:
+    """The pages row holds now (committed positions and drafts not yet committed)."""
+    length = len(sim.held()[row])
+    rtt = sim.states[0].req_to_token
+    return sorted({int(rtt[row, pos]) // sim.page_size for pos in range(length)})
+
+
+def _intruder_and_victim(sim: Sim, need_partial: bool = False):
+    """Two distinct live rows: an intruder without drafts in flight (with its last page partially
+    filled if need_partial) and a victim holding pages; None if there are none."""
+    P = sim.page_size
+    intruders = [r for r in sorted(sim.tokens) if r not in sim.pending and len(sim.tokens[r]) < sim.max_context
+                 and (not need_partial or len(sim.tokens[r]) % P)]
+    if not intruders:
+        return None
+    intruder = intruders[sim.draw.int(0, len(intruders) - 1)]
+    victims = [r for r in sorted(sim.tokens) if r != intruder and _pages_of(sim, r)]
+    if not victims:
+        return None
+    return intruder, victims[sim.draw.int(0, len(victims) - 1)]
+
+
+def commit_into_another_request(sim: Sim) -> bool:
+    """A commit for one request whose req_to_token row points its draft positions into another
+    live request's pages (at the right offsets): it would free or keep the other's pages (the
+    reported bug: their slots handed out again by the next alloc). Refused as a whole, naming the
+    owner; req_to_token beyond the intruder's length is restored afterwards."""
+    pair = _intruder_and_victim(sim)
+    if pair is None:
+        return False
+    intruder, victim = pair
+    P, draw = sim.page_size, sim.draw
+    L = len(sim.tokens[intruder])
+    n = draw.int(1, min(sim.max_draft, sim.max_context - L))
+    pages = _pages_of(sim, victim)
+    slots = [pages[draw.int(0, len(pages) - 1)] * P + pos % P for pos in range(L, L + n)]
+    saved = [st_.req_to_token[intruder, L:L + n].clone() for st_ in sim.states]
+    for st_ in sim.states:
+        st_.req_to_token[intruder, L:L + n] = torch.tensor(slots, dtype=st_.req_to_token.dtype)
+    fake = Pending([intruder], [L], [n], torch.tensor(slots))
+    path = random_path(draw, n)
+    sim.expect_refused(lambda st_: sim.commit_call(st_, fake, [path], check_status=True),
+                       match=rf"\(draft 0 of request 0\) is on page \d+, which request 0 \(row {intruder}\) does not "
+                             rf"own \(page_state\[\d+\] = {victim + 1}, owned by row {victim}\)")
+    for st_, old in zip(sim.states, saved):
+        st_.req_to_token[intruder, L:L + n] = old
+    return True
+
+
+def continue_another_requests_page(sim: Sim) -> bool:
+    """An alloc for a request whose last slot (its page partially filled) points into another
+    live request's page: its drafts would land on the other's page. Refused as a whole, naming the
+    owner; the intruder's last slot is restored afterwards."""
+    if sim.page_size == 1:
+        return False
+    pair = _intruder_and_victim(sim, need_partial=True)
+    if pair is None:
+        return False
+    intruder, victim = pair
+    P, draw = sim.page_size, sim.draw
+    L = len(sim.tokens[intruder])
+    pages = _pages_of(sim, victim)
+    slot = pages[draw.int(0, len(pages) - 1)] * P + (L - 1) % P
+    saved = [int(st_.req_to_token[intruder, L - 1]) for st_ in sim.states]
+    for st_ in sim.states:
+        st_.req_to_token[intruder, L - 1] = slot
+    n = draw.int(1, min(sim.max_draft, sim.max_context - L))
+    sim.expect_refused(lambda st_: spec_kernels.alloc_draft_slots(*sim.alloc_args(st_, [intruder], [L], [n]),
+                                                                   impl=st_.impl, max_draft=sim.max_draft),
+                       match=rf"\(the last slot of request 0\) is on page \d+, which request 0 \(row {intruder}\) "
+                             rf"does not own \(page_state\[\d+\] = {victim + 1}, owned by row {victim}\)")
+    for st_, old in zip(sim.states, saved):
+        st_.req_to_token[intruder, L - 1] = old
     return True
 
 
@@ -466,7 +548,7 @@ def alloc_from_corrupt_stack(sim: Sim) -> bool:
     draw, C = sim.draw, sim.num_pages
     top = sim.free_page_count()
     st0 = sim.states[0]
-    held = (st0.page_state.cpu() == reference.PAGE_HELD).nonzero().flatten().tolist()
+    held = (st0.page_state.cpu() != reference.PAGE_FREE).nonzero().flatten().tolist()
     if top >= C or not held:
         return False
     twice = top > 0 and draw.coin()
@@ -506,7 +588,9 @@ def random_batch(sim: Sim, rows: list[int]) -> tuple[list[int], list[int]]:
 def adversarial_round(sim: Sim) -> None:
     """One random round: two interleaved batches (alloc A, alloc B, commits in a random order),
     replays of each commit that released something, a request dropped before its commit (whose
-    stale commit must be refused), a commit of slots never allocated, an alloc from a corrupt stack."""
+    stale commit must be refused), a commit into another request's pages (with drafts in flight
+    or not), an alloc continuing another request's page, a commit of slots never allocated, an
+    alloc from a corrupt stack."""
     draw = sim.draw
     live = draw.permutation(sorted(sim.tokens))
     cut = draw.int(0, len(live))
@@ -525,10 +609,13 @@ def adversarial_round(sim: Sim) -> None:
             release_request(sim, pending.rows[i])
             sim.check_invariants()
             sim.expect_refused(lambda st_: sim.commit_call(st_, pending, paths, check_status=True),
-                               match="which is not held")
+                               match="does not own")
             keep = [j for j in range(len(pending.rows)) if j != i]
             batches[which] = (Pending([pending.rows[j] for j in keep], [pending.lens[j] for j in keep],
                                       [pending.counts[j] for j in keep], pending.loc), [paths[j] for j in keep])
+    if draw.coin(0.4):  # victims may have drafts in flight
+        commit_into_another_request(sim)
+        sim.check_invariants()
     for pending, paths in draw.permutation(batches):
         sim.commit(pending, paths)
         if released_by(sim, pending, paths) > 0 and draw.coin(0.7):
@@ -536,6 +623,12 @@ def adversarial_round(sim: Sim) -> None:
             sim.check_invariants()
     if draw.coin(0.3):
         commit_never_allocated(sim)
+        sim.check_invariants()
+    if draw.coin(0.3):
+        commit_into_another_request(sim)
+        sim.check_invariants()
+    if draw.coin(0.3):
+        continue_another_requests_page(sim)
         sim.check_invariants()
     if draw.coin(0.3):
         alloc_from_corrupt_stack(sim)
@@ -592,7 +685,7 @@ def test_double_commit_is_refused_and_changes_nothing(impl, page_size, kernel_on
     sim, pending, paths = _double_commit_sim([(impl, "cpu")], page_size)
     with host_checks(not kernel_only):
         sim.expect_refused(lambda st_: sim.commit_call(st_, pending, paths, check_status=True),
-                           match="which is not held")
+                           match="does not own")
         sim.check_invariants()
         assert sim.step([0, 1], [5, 3], [[0, 1], [0, 2]])
     sim.check_invariants()
@@ -612,7 +705,8 @@ def test_commit_after_release_and_of_never_allocated_slots(page_size):
     for kernel_only in (False, True):
         with host_checks(not kernel_only):
             sim.expect_refused(lambda st_: sim.commit_call(st_, ab, [[0, 1], [0, 3]], check_status=True),
-                               match=r"\(draft 0 of request 0\) is on page \d+, which is not held")
+                               match=r"\(draft 0 of request 0\) is on page \d+, which request 0 \(row 0\) does not "
+                                     r"own \(page_state\[\d+\] = 0, free")
     sim.commit(c, [[0, 2, 3]])
     sim.commit(Pending([1], ab.lens[1:], ab.counts[1:], ab.loc), [[0, 3]])
     for kernel_only in (False, True):
@@ -622,6 +716,32 @@ def test_commit_after_release_and_of_never_allocated_slots(page_size):
 
 
 CPU_LOCKSTEP = [("reference", "cpu"), ("triton", "cpu")]
+
+
+def _foreign_sim(impls, page_size: int) -> Sim:
+    """Rows 0..2 live, their last pages partially filled (page size > 1); row 2 has drafts in flight."""
+    sim = Sim(impls, POOL_PAGES[page_size], page_size, max_draft=8, draw=Draw(seed=5))
+    assert sim.admit([0, 1, 2], [page_size + 3, 2 * page_size + 1, 5])
+    assert sim.alloc([2], [6]) is not None
+    return sim
+
+
+@pytest.mark.parametrize("kernel_only", [False, True])
+@pytest.mark.parametrize("page_size", PAGE_SIZES)
+def test_foreign_commit_and_continuation_are_refused_and_change_nothing(page_size, kernel_only):
+    """Commits whose req_to_token row points into another request's pages (one with drafts in
+    flight, one without) and allocs continuing another request's last page: refused as a whole
+    by the host checks and by the kernels alone, naming the owner; nothing changes, the invariants
+    hold, and the pool works on."""
+    sim = _foreign_sim(CPU_LOCKSTEP, page_size)
+    with host_checks(not kernel_only):
+        for _ in range(3):
+            assert commit_into_another_request(sim)
+            sim.check_invariants()
+            assert continue_another_requests_page(sim) == (page_size > 1)
+            sim.check_invariants()
+    sim.commit(Pending([2], [5], [6], torch.empty(0)), [[0, 1]])
+    assert sim.step([0, 1, 2], [3, 2, 4], [[0], [0, 1], [1, 3]])
 
 
 @pytest.mark.gpu
@@ -640,5 +760,5 @@ def test_gpu_double_commit_is_refused_and_changes_nothing(impl, page_size):
     sim, pending, paths = _double_commit_sim([("reference", "cpu"), (impl, "cuda")], page_size)
     with host_checks(False):
         sim.expect_refused(lambda st_: sim.commit_call(st_, pending, paths, check_status=True),
-                           match="which is not held")
+                           match="does not own")
     sim.check_invariants()

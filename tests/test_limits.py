@@ -25,11 +25,11 @@ PYTHON_SIDE = {
     "kKvSlotsPageConflict": kv_ref.STATUS_PAGE_CONFLICT,
     "kKvSlotsStatusLen": kv_ref.STATUS_LEN,
     "kPageFree": kv_ref.PAGE_FREE,
-    "kPageHeld": kv_ref.PAGE_HELD,
+    "kPageShared": kv_ref.PAGE_SHARED,
     "kPageMark": kv_ref.PAGE_MARK,
     "kKvMoveSyncWords": kv_triton.MOVE_SYNC_WORDS,
     "kKvMoveTagShift": kv_triton.MOVE_TAG_SHIFT,
-    "kKvMoveTagBits": kv_triton.MOVE_TAG_BITS,
+    "kKvMoveGenerations": kv_triton.MOVE_GENERATIONS,
     "kKvMoveMaxBlocks": kv_triton.MOVE_MAX_PROGRAMS,
     "kMaxNormHidden": MAX_HIDDEN,
     "kMaxRanks": ipc.MAX_RANKS,
@@ -65,6 +65,8 @@ def test_python_limits_match_the_kernels_headers():
     assert (mla_cuda.HEAD_DIM, mla_cuda.V_HEAD_DIM) == (_cpp_constant("mla.h", "kMlaHeadDim"),
                                                         _cpp_constant("mla.h", "kMlaVHeadDim"))
     assert ipc.MAX_BLOCKS == _cpp_constant("norm_allreduce.h", "kMaxBlocks")
+    assert ipc.HEADER_ROW_BITS == _cpp_constant("norm_allreduce.h", "kHeaderRowBits")
+    assert ipc.MAX_MESSAGE_BYTES == _cpp_constant("norm_allreduce.h", "kMaxMessageBytes")
 
 
 def test_max_draft_tokens_is_defined_once():

@@ -250,16 +250,16 @@ def _kv_commit_case(B, page_size, max_draft, moves=False, unit_bytes=16, num_buf
 
     def run(autotune, sms):
         table = None
-        shares, sync, tag = 1, None, 0
+        shares, sync = 1, None
         if moves:
             table = api.KvTable(_meta((3, num_buffers), torch.int64), num_buffers, pages * page_size, unit_bytes)
             with _patched(api, sm_count=lambda index: sms):
                 shares = api._kv_shares(_CUDA, B, num_buffers, 1)
-            sync, tag = _meta((kv.MOVE_SYNC_WORDS,), torch.int64), (1 << 32) + 7
+            sync = _meta((kv.MOVE_SYNC_WORDS,), torch.int64)
         args = (_meta((rows, max_ctx), rtt), _meta((B,), idx), _meta((B,), idx), _meta((B,), idx),
                 _meta((B, width), idx), _meta((B,), idx), _meta((pages,), torch.int64), _meta((1,), torch.int64),
                 _meta((pages,), torch.int32), page_size, max_draft, table, _meta((B,), idx), _meta((5,), torch.int64),
-                shares, sync, tag)
+                shares, sync)
         return _record(kv, ["_commit_kernel"], None, autotune, sms, lambda: kv.commit_draft_slots(*args))
     what = f"moves unit={unit_bytes}B x{num_buffers} buffers" if moves else "no KV moves"
     return f"B{B} page={page_size} max_draft={max_draft} accept_width={width} {what}", run

@@ -17,12 +17,14 @@
 // they arrived, so the wait ends. The move blocks never touch what the bookkeeping writes. See
 // "launch-wide hand-off" below.
 //
-// Page state: once everything else is valid, the bookkeeping block claims the call's pages (alloc:
-// the pages it pops and the last pages requests continue; commit: the draft pages) with atomic
-// exchanges to kPageMark. Each was checked before to be in the state the call needs (popped:
-// free; continued and draft pages: held), so a kPageMark read back is a page claimed twice: the
-// call is refused and every claimed page is set back to that state. Otherwise the writes give
-// each its final state by atomic exchange (popped: held; commit: released free, kept held).
+// Page state, an owner per page (kPageFree, row + 1, or kPageShared): once everything else is
+// valid, the bookkeeping block claims the call's pages (alloc: the pages it pops and the last pages
+// requests continue; commit: the draft pages) with atomic exchanges to kPageMark. Each was checked
+// before to be in the state the call needs (popped: free; continued and draft pages: owned by the
+// request, row + 1), so a kPageMark read back is a page claimed twice: the call is refused and
+// every claimed page is set back to that state. Otherwise the writes give each its final state by
+// atomic exchange (popped: the owner of the request it goes to; continued: its owner; commit:
+// released free, kept their owner).
 #include <cub/block/block_reduce.cuh>
 #include <cub/block/block_scan.cuh>
 
@@ -49,6 +51,9 @@ __device__ __forceinline__ void store_index(const IndexTensor& t, int64_t i, int
     static_cast<int32_t*>(t.data)[i] = static_cast<int32_t>(v);
   }
 }
+
+// The page_state of a page that request row `row` holds (reference.page_owner).
+__device__ __forceinline__ int32_t page_owner(int64_t row) { return static_cast<int32_t>(row + 1); }
 
 __device__ __forceinline__ int64_t roundup(int64_t x, int log2p) {
   return ((x + (int64_t{1} << log2p) - 1) >> log2p) << log2p;
@@ -126,7 +131,7 @@ struct AllocOp {
   int group_size;
 
   // One thread per request: only scalars and one slot to read. check_state: the page continued
-  // must be held (pass 1 only: later passes run while pages are claimed).
+  // must be the request's own (pass 1 only: later passes run while pages are claimed).
   __device__ void analyze_tile(Tile& t, int t0, int len, bool check_state) const {
     const int i = threadIdx.x;
     if (i >= len) return;
@@ -135,7 +140,8 @@ struct AllocOp {
     int64_t last_page = -1;
     if (ok && q.drafts > 0 && (q.len & ((1 << a.log2_page_size) - 1))) {
       last_page = load_index(a.req_to_token, q.row * a.max_context + q.len - 1) >> a.log2_page_size;
-      ok = last_page >= 0 && last_page < a.num_pages && (!check_state || a.page_state[last_page] == kPageHeld);
+      ok = last_page >= 0 && last_page < a.num_pages &&
+           (!check_state || a.page_state[last_page] == page_owner(q.row));
     }
     record(t, i, q, ok, pages_spanned(q.len, q.len + q.drafts, a.log2_page_size), q.drafts);
     t.last_page[i] = static_cast<int32_t>(last_page);
@@ -165,11 +171,15 @@ struct AllocOp {
         const int64_t slot = (page << log2p) | (pos & ((int64_t{1} << log2p) - 1));
         store_index(a.req_to_token, row_base + pos, slot);
         out[t.token_off[i] + d] = slot;
+        // A popped page (claimed) gets its owner at its first position, which starts the page.
+        if (pos >= first_fresh && (pos & ((int64_t{1} << log2p) - 1)) == 0) {
+          atomicExch(a.page_state + page, page_owner(t.row[i]));
+        }
       }
     }
   }
 
-  // f(page_state entry) for the last page of every request that continues one.
+  // f(page_state entry, its owner row + 1) for the last page of every request that continues one.
   template <class F>
   __device__ bool each_continued(Tile& t, F f) const {
     bool any = false;
@@ -180,7 +190,9 @@ struct AllocOp {
         analyze_tile(t, t0, len, false);
         __syncthreads();
       }
-      if (threadIdx.x < len && t.last_page[threadIdx.x] >= 0) any |= f(a.page_state + t.last_page[threadIdx.x]);
+      if (threadIdx.x < len && t.last_page[threadIdx.x] >= 0) {
+        any |= f(a.page_state + t.last_page[threadIdx.x], page_owner(t.row[threadIdx.x]));
+      }
       __syncthreads();
     }
     return any;
@@ -198,19 +210,19 @@ struct AllocOp {
     for (int64_t j = top - pages + threadIdx.x; j < top; j += kThreads) {
       bad |= atomicExch(a.page_state + a.free_pages[j], kPageMark) == kPageMark;
     }
-    bad |= each_continued(t, [](int32_t* s) { return atomicExch(s, kPageMark) == kPageMark; });
+    bad |= each_continued(t, [](int32_t* s, int32_t) { return atomicExch(s, kPageMark) == kPageMark; });
     if (!__syncthreads_or(bad)) return false;
-    settle(t, top, pages, kPageFree);
+    for (int64_t j = top - pages + threadIdx.x; j < top; j += kThreads) {
+      atomicExch(a.page_state + a.free_pages[j], kPageFree);
+    }
+    restore_continued(t);
     return true;
   }
 
-  // The claimed pages' final state: popped ones `popped`, continued ones held.
-  __device__ void settle(Tile& t, int64_t top, int64_t pages, int32_t popped) const {
-    for (int64_t j = top - pages + threadIdx.x; j < top; j += kThreads) {
-      atomicExch(a.page_state + a.free_pages[j], popped);
-    }
-    each_continued(t, [](int32_t* s) {
-      atomicExch(s, kPageHeld);
+  // The continued pages' final state, accepted or refused: their owner again.
+  __device__ void restore_continued(Tile& t) const {
+    each_continued(t, [](int32_t* s, int32_t owner) {
+      atomicExch(s, owner);
       return false;
     });
   }
@@ -219,9 +231,10 @@ struct AllocOp {
 
   __device__ void refuse() const { fill_out(0); }
 
+  // (The popped pages got their owners in apply_tile.)
   __device__ void finish(Tile& t, int64_t top, int64_t pages, int64_t tokens) const {
     fill_out(tokens);
-    settle(t, top, pages, kPageHeld);
+    restore_continued(t);
     if (threadIdx.x == 0) *a.num_free = top - pages;
   }
 
@@ -231,12 +244,20 @@ struct AllocOp {
 };
 
 // ------------------------------------------------------------------ launch-wide hand-off
-// Three scratch words, each (tag << kTagShift) | value, with a tag new for every call (api.py);
-// a word with another tag is as good as zero, so the scratch needs no initialisation (a fresh
-// allocation holds zeros, older calls' words, or garbage that fakes this 38-bit tag with
-// probability 2^-38). sync[0]: the election, sync[1]: the verdict, sync[2]: blocks finished,
-// set to (tag, 0) by the bookkeeper before it publishes the verdict. The last block to finish
-// zeroes all three. One scratch per launch: concurrent launches must not share one.
+// The scratch (api.move_sync: zero-initialised, owned by the library, never shared by two launches
+// that may run at the same time) holds kKvMoveSyncWords words:
+//   sync[kGeneration]  the generation g. Every block reads it at its start; only the last block to
+//                      finish advances it, after every block has counted itself finished (so after
+//                      every block has read it): g is the same for the whole launch.
+//   sync[kElection]    the election and
+//   sync[kVerdict]     the verdict, each (tag << kTagShift) | value with tag = g + 1: never 0, and
+//                      different from the previous launch's tag (g advances mod kKvMoveGenerations).
+//   sync[kFinished]    blocks finished, zeroed by the bookkeeper before it publishes the verdict;
+//                      a block counts itself only after it has seen the verdict.
+// The last block clears the election, verdict and count and advances g. So a launch finds those
+// words zero, or (were they not cleared) words of the previous generation: never its own tag,
+// which a stale word could fake only by being equal to it.
+constexpr int kGeneration = 0, kElection = 1, kVerdict = 2, kFinished = 3;
 constexpr int kTagShift = kKvMoveTagShift;
 constexpr uint64_t kValueMask = (uint64_t{1} << kTagShift) - 1;
 // Polls of the verdict before __trap() (a broken invariant, never a hang): with the back-off,
@@ -254,8 +275,13 @@ __device__ __forceinline__ void store_release(uint64_t* p, uint64_t v) {
   asm volatile("st.release.gpu.global.u64 [%0], %1;" : : "l"(p), "l"(v) : "memory");
 }
 
+__device__ __forceinline__ uint64_t next_generation(uint64_t g) {
+  return g + 1 < static_cast<uint64_t>(kKvMoveGenerations) ? g + 1 : 0;
+}
+
 // Whether the calling block keeps the books: exactly one block of the launch wins; at most one
-// compare-and-swap per block, no retries (a block that sees this call's tag has lost).
+// compare-and-swap per block, no retries (a block that sees this launch's tag has lost; a word
+// of any other generation is taken over).
 __device__ bool elect_bookkeeper(uint64_t* word, uint64_t tag) {
   const unsigned long long seen = load_acquire(word);
   if ((seen >> kTagShift) == tag) return false;
@@ -281,10 +307,11 @@ struct CommitOp {
   int group_size;
   int64_t slot_bound;  // every draft slot must be below: the pool, and the KV rows when they move
   bool prefix_only;    // page_size > 1 without KV buffers: accepted paths must be 0..k-1
+  uint64_t tag;        // when rows move: this launch's hand-off tag (generation + 1)
 
   // One group of G lanes per request; every lane of the warp must call it (it shuffles).
-  // check_state: every draft slot must be on a held page (pass 1 only: later passes, and the
-  // move blocks, run while the bookkeeping claims pages).
+  // check_state: every draft slot must be on a page the request owns (pass 1 only: later passes,
+  // and the move blocks, run while the bookkeeping claims pages).
   __device__ void analyze_request(Tile& t, int i, int b, int lane, int G, bool active, bool check_state) const {
     Request q{0, 0, 0, false};
     int64_t k = 0;
@@ -314,7 +341,7 @@ struct CommitOp {
         if (d < q.drafts) {
           const int64_t slot = load_index(a.req_to_token, base + d);
           ok = ok && slot >= 0 && slot < slot_bound &&
-               (!check_state || a.page_state[slot >> a.log2_page_size] == kPageHeld);
+               (!check_state || a.page_state[slot >> a.log2_page_size] == page_owner(q.row));
         }
       }
     }
@@ -352,7 +379,8 @@ struct CommitOp {
     return n == 0 ? 0 : static_cast<int>(((L + n - 1) >> a.log2_page_size) - (L >> a.log2_page_size)) + 1;
   }
 
-  // f(page_state entry) for every draft page of the batch; returns whether any f returned true.
+  // f(page_state entry, its owner row + 1) for every draft page of the batch; returns whether any
+  // f returned true.
   template <class F>
   __device__ bool each_draft_page(Tile& t, F f) const {
     const Groups g(group_size);
@@ -373,7 +401,7 @@ struct CommitOp {
           int64_t page;
           bool released;
           draft_page(t, i, e, page, released);
-          any |= f(a.page_state + page);
+          any |= f(a.page_state + page, page_owner(t.row[i]));
         }
       }
       __syncthreads();
@@ -381,13 +409,14 @@ struct CommitOp {
     return any;
   }
 
-  // Claims every draft page (all checked held in pass 1: kPageMark read back = claimed twice);
+  // Claims every draft page (all checked owned in pass 1: kPageMark read back = claimed twice);
   // true = a conflict (the call is refused, page_state is as it was). Block-uniform result.
   __device__ bool claim_pages(Tile& t, int64_t, int64_t) const {
-    const bool twice = each_draft_page(t, [](int32_t* s) { return atomicExch(s, kPageMark) == kPageMark; });
+    const bool twice =
+        each_draft_page(t, [](int32_t* s, int32_t) { return atomicExch(s, kPageMark) == kPageMark; });
     if (!__syncthreads_or(twice)) return false;
-    each_draft_page(t, [](int32_t* s) {
-      atomicExch(s, kPageHeld);
+    each_draft_page(t, [](int32_t* s, int32_t owner) {
+      atomicExch(s, owner);
       return false;
     });
     return true;
@@ -427,7 +456,7 @@ struct CommitOp {
           const uint64_t below = mask & ((uint64_t{1} << d) - 1);  // d < 64
           if ((mask >> d) & 1) {
             store_index(a.req_to_token, row_base + L + __popcll(below), slot[m]);
-            atomicExch(a.page_state + slot[m], kPageHeld);
+            atomicExch(a.page_state + slot[m], page_owner(t.row[i]));
           } else {
             a.free_pages[push_at + d - __popcll(below)] = slot[m];
             atomicExch(a.page_state + slot[m], kPageFree);
@@ -439,13 +468,13 @@ struct CommitOp {
         for (int64_t p = g.lane; active && first + (p << log2p) < L + n; p += g.G) {
           a.free_pages[push_at + p] = load_index(a.req_to_token, row_base + first + (p << log2p)) >> log2p;
         }
-        // Every draft page's final state: released free, kept held.
+        // Every draft page's final state: released free, kept its owner's.
         const int count = active ? draft_page_count(t, i) : 0;
         for (int e = g.lane; e < count; e += g.G) {
           int64_t page;
           bool released;
           draft_page(t, i, e, page, released);
-          atomicExch(a.page_state + page, released ? kPageFree : kPageHeld);
+          atomicExch(a.page_state + page, released ? kPageFree : page_owner(t.row[i]));
         }
       }
       if (active && g.lane == 0) store_index(c.new_seq_lens, t0 + i, L + k);
@@ -456,8 +485,8 @@ struct CommitOp {
   // release also publishes the zeroed count of finished blocks.
   __device__ void publish(int code) const {
     if (c.move_sync == nullptr) return;
-    c.move_sync[2] = c.move_tag << kTagShift;
-    store_release(c.move_sync + 1, (c.move_tag << kTagShift) | static_cast<uint64_t>(code));
+    c.move_sync[kFinished] = 0;
+    store_release(c.move_sync + kVerdict, (tag << kTagShift) | static_cast<uint64_t>(code));
   }
 
   __device__ void refuse() const {
@@ -630,7 +659,7 @@ __device__ void move_kv_rows(const CommitOp& op, Tile& tile, int b, int share, i
     src[threadIdx.x] = load_index(op.a.req_to_token, base + from);
     dst[threadIdx.x] = load_index(op.a.req_to_token, base + threadIdx.x);
   }
-  if (threadIdx.x == 0) verdict = wait_for_verdict(c.move_sync + 1, c.move_tag);
+  if (threadIdx.x == 0) verdict = wait_for_verdict(c.move_sync + kVerdict, op.tag);
   __syncthreads();
   if (!moves || verdict != kKvSlotsOk) return;
   switch (c.kv_unit_bytes) {
@@ -646,13 +675,18 @@ __global__ void __launch_bounds__(kThreads)
     commit_draft_slots_kernel(KvSlotBatch a, KvCommitArgs c, int group_size, int64_t slot_bound, bool prefix_only) {
   __shared__ Tile tile;
   __shared__ bool bookkeeper;
-  const CommitOp op{a, c, group_size, slot_bound, prefix_only};
+  __shared__ uint64_t generation, tag;
   if (c.move_sync == nullptr) {  // no rows move: the bookkeeping block alone
-    keep_books(op, a, tile);
+    keep_books(CommitOp{a, c, group_size, slot_bound, prefix_only, 0}, a, tile);
     return;
   }
-  if (threadIdx.x == 0) bookkeeper = elect_bookkeeper(c.move_sync, c.move_tag);
+  if (threadIdx.x == 0) {  // the generation cannot change before this block counts itself finished
+    generation = load_acquire(c.move_sync + kGeneration);
+    tag = generation + 1;  // never 0 (a cleared word), and not the previous launch's
+    bookkeeper = elect_bookkeeper(c.move_sync + kElection, tag);
+  }
   __syncthreads();
+  const CommitOp op{a, c, group_size, slot_bound, prefix_only, tag};
   if (bookkeeper) {
     keep_books(op, a, tile);
     __syncthreads();  // the tile is reused below
@@ -661,11 +695,13 @@ __global__ void __launch_bounds__(kThreads)
   move_kv_rows(op, tile, static_cast<int>(blockIdx.x / shares), static_cast<int>(blockIdx.x % shares), shares);
   __syncthreads();
   if (threadIdx.x == 0) {
-    __threadfence();  // this block's accesses to the scratch come before the last block zeroes it
-    const unsigned long long before = atomicAdd(reinterpret_cast<unsigned long long*>(c.move_sync + 2), 1ull);
-    if ((before & kValueMask) + 1 == gridDim.x) {
+    __threadfence();  // this block's accesses to the scratch come before the last block clears it
+    const unsigned long long before =
+        atomicAdd(reinterpret_cast<unsigned long long*>(c.move_sync + kFinished), 1ull);
+    if (before + 1 == gridDim.x) {  // every other block is done with the scratch
       __threadfence();
-      for (int i = 0; i < kKvMoveSyncWords; ++i) c.move_sync[i] = 0;
+      c.move_sync[kElection] = c.move_sync[kVerdict] = c.move_sync[kFinished] = 0;
+      c.move_sync[kGeneration] = next_generation(generation);
     }
   }
 }
@@ -687,8 +723,7 @@ cudaError_t launch_alloc_draft_slots(const KvSlotBatch& batch, int64_t* out_cach
 
 cudaError_t launch_commit_draft_slots(const KvSlotBatch& batch, const KvCommitArgs& args, cudaStream_t stream) {
   const bool moves = batch.log2_page_size > 0 && args.kv_table != nullptr && batch.num_requests > 0;
-  if (moves && (args.move_sync == nullptr || args.move_tag == 0 || args.move_tag >> kKvMoveTagBits ||
-                args.kv_blocks_per_request < 1 ||
+  if (moves && (args.move_sync == nullptr || args.kv_blocks_per_request < 1 ||
                 int64_t{batch.num_requests} * args.kv_blocks_per_request > kKvMoveMaxBlocks)) {
     return cudaErrorInvalidValue;  // kv_slots_binding.cpp checks these with messages
   }

@@ -81,8 +81,7 @@ void commit_draft_slots(at::Tensor& req_to_token, const at::Tensor& req_pool_ind
                         at::Tensor& free_pages, at::Tensor& num_free, at::Tensor& page_state, int64_t page_size,
                         int64_t max_draft, const std::optional<at::Tensor>& kv_table, int64_t kv_rows,
                         int64_t kv_unit_bytes, int64_t kv_blocks_per_request,
-                        const std::optional<at::Tensor>& move_sync, int64_t move_tag, at::Tensor& new_seq_lens,
-                        at::Tensor& status) {
+                        const std::optional<at::Tensor>& move_sync, at::Tensor& new_seq_lens, at::Tensor& status) {
   const auto batch = kv_slot_batch(req_to_token, req_pool_indices, seq_lens, num_draft, free_pages, num_free,
                                    page_state, page_size, max_draft, status);
   const at::Device dev = req_to_token.device();
@@ -120,10 +119,7 @@ void commit_draft_slots(at::Tensor& req_to_token, const at::Tensor& req_pool_ind
                 spec_kernels::kKvMoveMaxBlocks, ", got ", batch.num_requests, " x ", kv_blocks_per_request);
     TORCH_CHECK(move_sync.has_value(), "move_sync is required when KV rows move (kv_table, page_size > 1)");
     check_buffer(*move_sync, "move_sync", dev, "req_to_token", at::kLong, {spec_kernels::kKvMoveSyncWords});
-    TORCH_CHECK(move_tag >= 1 && move_tag < (int64_t{1} << spec_kernels::kKvMoveTagBits), "move_tag must be in [1, 2^",
-                spec_kernels::kKvMoveTagBits, "), got ", move_tag);
     args.move_sync = reinterpret_cast<uint64_t*>(move_sync->data_ptr<int64_t>());
-    args.move_tag = static_cast<uint64_t>(move_tag);
   }
   const c10::cuda::CUDAGuard guard(dev);
   check_launch(spec_kernels::launch_commit_draft_slots(batch, args, c10::cuda::getCurrentCUDAStream().stream()),

@@ -11,7 +11,7 @@ in reference.py.
 from __future__ import annotations
 
 import collections
-import itertools
+import threading
 from dataclasses import dataclass
 from typing import Optional, Sequence
 
@@ -21,7 +21,7 @@ from .._checks import INDEX_DTYPES, _is_fake, check_shape, check_tensor, common_
 from .._limits import MAX_DRAFT_TOKENS  # an accepted path is one 64-bit mask of draft indices
 from .._ops import cuda_ops, op_impls, sm_count
 from . import reference, triton_kernel
-from .reference import PAGE_FREE, PAGE_HELD, STATUS_LEN, STATUS_OK, STATUS_OUT_OF_PAGES, Verdict
+from .reference import PAGE_FREE, PAGE_SHARED, STATUS_LEN, STATUS_OK, STATUS_OUT_OF_PAGES, Verdict
 
 ALLOC = op_impls("alloc_draft_slots")
 COMMIT = op_impls("commit_draft_slots")
@@ -71,30 +71,48 @@ def _kv_shares(device: torch.device, num_requests: int, num_buffers: int, buffer
     return max(1, min(most, -(-2 * sms // max(num_requests, 1))))
 
 
-_MOVE_TAGS = itertools.count()
+_MOVE_SYNCS: dict[tuple, torch.Tensor] = {}
 
 
-def move_sync(device: torch.device) -> tuple[torch.Tensor, int]:
-    """Scratch and tag for the hand-off of the verdict to the KV-move blocks of one commit launch
-    (csrc/kv_slots/kv_slots.cu). The scratch needs no initialisation: its words count only under
-    this call's tag, a new one per call, in [2^32, 2^38) (so the Triton kernel always sees an
-    int64); garbage fakes the tag with probability 2^-38. Every launch leaves its scratch zeroed.
-    Inside a CUDA graph the captured tag is reused by every replay, and the scratch memory may be
-    reused by a later tensor of the same graph; either way the next replay finds zeros or words
-    without its tag. A new scratch per call: concurrent launches never share one."""
-    span = (1 << triton_kernel.MOVE_TAG_BITS) - (1 << 32)
-    tag = (1 << 32) + next(_MOVE_TAGS) % span
-    return torch.empty(triton_kernel.MOVE_SYNC_WORDS, dtype=torch.int64, device=device), tag
+def move_sync(device: torch.device) -> torch.Tensor:
+    """The scratch of the launch-wide hand-off of one commit launch that moves KV rows
+    (csrc/kv_slots/kv_slots.cu, "launch-wide hand-off"): int64 [MOVE_SYNC_WORDS], zero when first
+    used, owned by the library. Its first word is the generation, which every launch advances
+    and tags its other words with, and every launch leaves the others zeroed: the next launch
+    on the scratch finds zeros (or, were they left, the previous generation's words, which it
+    cannot take for its own).
+
+    Concurrency contract: no two launches that may run at the same time share a scratch. Eager
+    CUDA calls use one scratch per (device, stream), since the launches of a stream run one after
+    another; it is created with torch.zeros, on that stream, by the first call there (outside any
+    capture) and kept. During CUDA-graph capture every captured call gets a new zeroed scratch
+    from the graph's memory: the zeroing is captured too (a memset before the commit), so every
+    replay starts from zeros, and a graph never shares a scratch with eager calls or another
+    graph, whatever streams they replay on. CPU calls (the Triton interpreter, run one program
+    after another) use one scratch per thread."""
+    device = torch.device(device)
+    if device.type == "cuda":
+        index = device.index if device.index is not None else torch.cuda.current_device()
+        with torch.cuda.device(index):
+            if torch.cuda.is_current_stream_capturing():
+                return torch.zeros(triton_kernel.MOVE_SYNC_WORDS, dtype=torch.int64, device=device)
+            key = (device.type, index, torch.cuda.current_stream(index).cuda_stream)
+    else:
+        key = (device.type, device.index, threading.get_ident())
+    found = _MOVE_SYNCS.get(key)
+    if found is None:
+        found = _MOVE_SYNCS[key] = torch.zeros(triton_kernel.MOVE_SYNC_WORDS, dtype=torch.int64, device=device)
+    return found
 
 
 def _kv_moves(req_to_token, req_pool_indices, kv_buffers, page_size: int, buffers_per_share: int):
     """What a commit kernel needs to move KV rows: (KvTable or None, programs per request,
-    hand-off scratch or None, tag). Rows move only with pages > 1, buffers and requests."""
+    hand-off scratch or None). Rows move only with pages > 1, buffers and requests."""
     table = kv_table(kv_buffers) if kv_buffers and page_size > 1 else None
     B = req_pool_indices.numel()
     shares = _kv_shares(req_to_token.device, B, len(kv_buffers), buffers_per_share)
-    sync, tag = move_sync(req_to_token.device) if table is not None and B > 0 else (None, 0)
-    return table, shares, sync, tag
+    sync = move_sync(req_to_token.device) if table is not None and B > 0 else None
+    return table, shares, sync
 
 
 # --------------------------------------------------------------------------- implementations
@@ -106,10 +124,10 @@ COMMIT.register("reference")(reference.commit_draft_slots)
 @COMMIT.register("triton")
 def _commit_triton(req_to_token, req_pool_indices, seq_lens, num_draft, accept_index, accept_len, free_pages,
                    num_free, page_state, page_size, max_draft, kv_buffers, new_seq_lens, status):
-    table, shares, sync, tag = _kv_moves(req_to_token, req_pool_indices, kv_buffers, page_size, 1)
+    table, shares, sync = _kv_moves(req_to_token, req_pool_indices, kv_buffers, page_size, 1)
     triton_kernel.commit_draft_slots(req_to_token, req_pool_indices, seq_lens, num_draft, accept_index, accept_len,
                                      free_pages, num_free, page_state, page_size, max_draft, table, new_seq_lens,
-                                     status, shares, sync, tag)
+                                     status, shares, sync)
 
 
 @ALLOC.register("cuda")
@@ -125,11 +143,11 @@ CUDA_WARPS_PER_BLOCK = 32  # csrc/kv_slots: every warp of a KV-move block copies
 @COMMIT.register("cuda")
 def _commit_cuda(req_to_token, req_pool_indices, seq_lens, num_draft, accept_index, accept_len, free_pages,
                  num_free, page_state, page_size, max_draft, kv_buffers, new_seq_lens, status):
-    table, shares, sync, tag = _kv_moves(req_to_token, req_pool_indices, kv_buffers, page_size, CUDA_WARPS_PER_BLOCK)
+    table, shares, sync = _kv_moves(req_to_token, req_pool_indices, kv_buffers, page_size, CUDA_WARPS_PER_BLOCK)
     cuda_ops().commit_draft_slots(
         req_to_token, req_pool_indices, seq_lens, num_draft, accept_index, accept_len, free_pages, num_free,
         page_state, page_size, max_draft, table.table if table else None, table.num_rows if table else 0,
-        table.unit_bytes if table else 1, shares, sync, tag, new_seq_lens, status)
+        table.unit_bytes if table else 1, shares, sync, new_seq_lens, status)
 
 
 # --------------------------------------------------------------------------- custom ops
@@ -273,8 +291,9 @@ def alloc_draft_slots(
     ``seq_lens[b] .. seq_lens[b] + num_draft[b] - 1`` (num_draft[b] may be 0): first the free slots
     of its partially filled last page, then slots of pages popped from the top of the free-page
     stack ``free_pages[:num_free]``, requests in batch order. A position always sits at offset
-    ``pos % page_size`` of its page. ``req_to_token``, ``num_free`` and ``page_state`` (the
-    popped pages become held) are updated in place.
+    ``pos % page_size`` of its page. ``req_to_token``, ``num_free`` and ``page_state`` (each
+    popped page gets the owner of the request it is given to: its row + 1) are updated in place.
+    A request continues its partially filled last page only if page_state says it owns it.
 
     Args:
         req_to_token: int32/int64 [rows, max_context], slot of each position of each request row.
@@ -282,12 +301,16 @@ def alloc_draft_slots(
         free_pages: int64 [num_pages], the stack of free page ids (its length is the pool's page
             count; page p is slots p * page_size .. p * page_size + page_size - 1).
         num_free: int64 [1], stack height.
-        page_state: int32 [num_pages], which pages are held: PAGE_FREE (0) for the pages on the
-            stack, PAGE_HELD (1) for every other page. Build it once with
-            :func:`page_state_from_free_stack` (e.g. from the initial stack, where every page is
-            free) and keep it with the stack: the two ops update it; a caller that pushes pages
-            itself (a finished request's) sets them to 0, one that takes pages from the stack by
-            other means sets them to 1. The exact rules: spec_kernels/kv_slots/reference.py.
+        page_state: int32 [num_pages], the owner of every page: PAGE_FREE (0) for the pages on
+            the stack, row + 1 for a page request row ``row`` holds, PAGE_SHARED (-1) for a page
+            held by no single request (a prefix cache's shared pages; never popped, continued,
+            committed into or freed by these ops). Build it once with
+            :func:`page_state_from_free_stack` (from the initial stack, where every page is free,
+            or from the stack and the requests admitted before) and keep it with the stack: the
+            two ops update it. A caller that moves pages itself writes what it did: 0 for pages
+            it pushes (a finished request's), row + 1 for pages it gives request row ``row`` (its
+            prompt's), PAGE_SHARED for pages it shares between requests or hands to a prefix
+            cache. The exact rules: spec_kernels/kv_slots/reference.py.
         page_size: a power of two >= 1.
         impl: "cuda", "triton" or "reference" to force one; default the fastest available.
         max_draft: the largest allowed num_draft[b] (<= 64).
@@ -304,15 +327,16 @@ def alloc_draft_slots(
 
     Raises:
         RuntimeError if the stack cannot serve the whole batch (saying how many pages were needed
-        and free); ValueError/TypeError naming the argument for bad input, and ValueError when
-        the stack and page_state disagree (a page to pop is held or on the stack twice, a
-        continued last page is not held). Either way nothing was changed.
+        and free); ValueError/TypeError naming the argument for bad input, ValueError naming the
+        request, the slot, the page and its owner when a request would continue a last page it
+        does not own, and ValueError when the stack and page_state disagree (a page to pop is
+        not free or on the stack twice). Either way nothing was changed.
 
     Guarantees: metadata of every input is checked. Values (rows in range and distinct, counts
     in [0, max_draft], lengths within req_to_token, the page of a partially filled last slot in
-    the pool and held, enough free pages, the pages to pop in the pool, free and distinct) are
-    checked on CPU tensors, and on CUDA in debug mode (SPEC_KERNELS_DEBUG=1), before anything
-    changes. The Triton and CUDA kernels check the same rules themselves (except distinct rows)
+    the pool and owned by the request, enough free pages, the pages to pop in the pool, free and
+    distinct) are checked on CPU tensors, and on CUDA in debug mode (SPEC_KERNELS_DEBUG=1), before
+    anything changes. The Triton and CUDA kernels check the same rules themselves (except distinct rows)
     before writing anything: a refused call changes nothing but the status and out_cache_loc
     (page_state included: the kernels claim pages with atomic exchanges and undo them on
     refusal before the launch ends), and never accesses memory out of bounds. One launch, no
@@ -392,17 +416,19 @@ def commit_draft_slots(
       pages lying wholly beyond the new length are pushed. With kv_buffers=None every accepted
       path must be a prefix (0, 1, ..., k-1), e.g. chain drafts.
 
-    Every pushed page becomes free in ``page_state``. Entries of req_to_token beyond the new
-    lengths are left as they are.
+    Every pushed page becomes free (0) in ``page_state``; the kept pages stay the request's
+    (row + 1). Entries of req_to_token beyond the new lengths are left as they are.
 
     A commit must match a live alloc: every draft slot must lie on a page that page_state says
-    is held, and no page may carry the drafts of two positions of the call in two page-blocks
-    (page_size 1: no two draft slots may be equal). So the same commit twice, a commit of slots
-    that were never allocated or of a request already released, or a req_to_token that gives two
-    requests one page is refused as a whole, before any slot is freed twice. (page_state holds
-    no owner: a repeat that releases no page, e.g. page_size 16 with every draft on kept pages,
-    only moves the same KV rows again, and a stale commit whose pages were allocated again in
-    between passes the checks; the reference's module docstring has the exact rules.)
+    the request owns (row + 1), and no page may carry the drafts of two positions of the call in
+    two page-blocks (page_size 1: no two draft slots may be equal). So the same commit twice, a
+    commit of slots that were never allocated, of a request already released, or of slots on
+    another request's pages (a req_to_token row pointing into them) or on PAGE_SHARED pages is
+    refused as a whole (ValueError naming the request, the position and slot, the page and its
+    owner), before any slot is freed twice or a page taken from its owner. (A repeat that
+    releases no page, e.g. page_size 16 with every draft on kept pages, only moves the same KV
+    rows again, and a stale commit whose pages were given to the same row again in between
+    passes the checks; the reference's module docstring has the exact rules.)
 
     Args:
         req_to_token, req_pool_indices, seq_lens, num_draft, free_pages, num_free, page_state,
@@ -418,16 +444,17 @@ def commit_draft_slots(
         new_seq_lens = seq_lens + accept_len (seq_lens' dtype); seq_lens if the call was refused.
 
     Guarantees: metadata is always checked; values (paths in range, increasing, -1 padded,
-    accept_len <= num_draft, draft slots in the pool and in kv_buffers and on held pages, the
-    draft pages distinct, the stack not overflowing, distinct rows) on CPU tensors and on CUDA
-    in debug mode, before anything changes (ValueError naming the argument). The kernels check
-    the same rules (except distinct rows) before touching the allocator state or any KV row: a
-    refused call leaves req_to_token, free_pages, num_free, page_state and kv_buffers unchanged
-    (the kernels claim the call's pages with atomic exchanges and undo the claims of a refused
-    call before the launch ends). One launch (the KV-move blocks
-    wait inside it for the bookkeeping block's verdict on the whole batch), no host
-    synchronisation unless check_status, capturable in a CUDA graph once the kv_buffers table is
-    cached (call it once before capture). Deterministic.
+    accept_len <= num_draft, draft slots in the pool and in kv_buffers and on pages the request
+    owns, the draft pages distinct, the stack not overflowing, distinct rows) on CPU tensors and
+    on CUDA in debug mode, before anything changes (ValueError naming the argument). The kernels
+    check the same rules (except distinct rows) before touching the allocator state or any KV
+    row: a refused call leaves req_to_token, free_pages, num_free, page_state and kv_buffers
+    unchanged (the kernels claim the call's pages with atomic exchanges and undo the claims of a
+    refused call before the launch ends). One launch (the KV-move blocks wait inside it for the
+    bookkeeping block's verdict on the whole batch, through a scratch the library owns: see
+    :func:`move_sync` for its concurrency contract), no host synchronisation unless
+    check_status, capturable in a CUDA graph once the kv_buffers table is cached (call it once
+    before capture). Deterministic.
 
     Example:
         >>> new_lens = spec_kernels.commit_draft_slots(req_to_token, req_pool_indices, seq_lens,
@@ -460,25 +487,69 @@ def commit_draft_slots(
     return new_seq_lens
 
 
-def page_state_from_free_stack(free_pages: torch.Tensor, num_free: torch.Tensor) -> torch.Tensor:
+def page_state_from_free_stack(
+    free_pages: torch.Tensor,
+    num_free: torch.Tensor,
+    *,
+    req_to_token: Optional[torch.Tensor] = None,
+    req_pool_indices: Optional[torch.Tensor] = None,
+    seq_lens: Optional[torch.Tensor] = None,
+    page_size: Optional[int] = None,
+) -> torch.Tensor:
     """The page_state of a pool whose free pages are ``free_pages[:num_free]``: int32
-    [free_pages.numel()] on their device, PAGE_FREE (0) for every page on the stack and
-    PAGE_HELD (1) for all others (pages in use, e.g. by requests admitted before).
+    [free_pages.numel()] on their device, with
 
-    Build it once, when the pool is created (typically every page free), and pass it to every
-    :func:`alloc_draft_slots` / :func:`commit_draft_slots` of that pool. It reads num_free and
-    checks the stack (page ids in range, none twice), so it syncs with the GPU once: do not call
-    it per step or inside a CUDA graph.
+    * PAGE_FREE (0) for every page on the stack;
+    * row + 1 for every page that holds a position in [0, seq_lens[b]) of exactly one of the
+      given requests (row ``req_pool_indices[b]`` of ``req_to_token``, pages of ``page_size``
+      slots): its owner, which alone may continue it (alloc) or commit drafts on it;
+    * PAGE_SHARED (-1) for every other page: held, but by no single given request (pages of
+      requests not given, pages another allocator or a radix cache holds, and pages that two or
+      more of the given requests hold, e.g. a shared prefix). The ops never pop, continue, commit
+      into or free such a page: a request whose partially filled last page is PAGE_SHARED cannot
+      continue it, and a commit of drafts on it is refused.
+
+    Without requests (the pool is new, every page free; or nothing needs to be continued) every
+    page off the stack is PAGE_SHARED. Build it once, when the pool is created or taken over, and
+    pass it to every :func:`alloc_draft_slots` / :func:`commit_draft_slots` of that pool; a caller
+    that moves pages itself afterwards writes 0 for pages it pushes onto the stack, row + 1 for
+    pages it gives request row ``row``, and PAGE_SHARED for pages it shares or hands to a cache.
+
+    It reads num_free, the requests and their slots, and checks the stack (page ids in range,
+    none twice), the requests (rows in range and distinct, 0 <= seq_lens <= req_to_token's
+    context) and their slots (in the pool, not on a free page), each ValueError naming the
+    argument; so it syncs with the GPU: do not call it per step or inside a CUDA graph.
 
     Example (an SGLang-style pool of 4096 pages, all free, page 0 on top):
         >>> free_pages = torch.arange(4095, -1, -1, device="cuda")
         >>> num_free = torch.tensor([4096], device="cuda")
         >>> page_state = page_state_from_free_stack(free_pages, num_free)
+    and of a pool taken over with requests in flight:
+        >>> page_state = page_state_from_free_stack(free_pages, num_free, req_to_token=req_to_token,
+        ...     req_pool_indices=rows, seq_lens=seq_lens, page_size=16)
     """
-    dev, like = common_device([("free_pages", free_pages), ("num_free", num_free)])
+    requests = [("req_to_token", req_to_token), ("req_pool_indices", req_pool_indices), ("seq_lens", seq_lens)]
+    given = [name for name, t in requests if t is not None]
+    if given and len(given) < 3:
+        missing = [name for name, t in requests if t is None]
+        raise ValueError(f"{' and '.join(missing)} must be given with {' and '.join(given)}: the requests are "
+                         f"req_to_token rows req_pool_indices holding positions [0, seq_lens)")
+    if given and page_size is None:
+        raise ValueError("page_size must be given with the requests (req_to_token holds slots, page_state pages)")
+    if page_size is not None:
+        if isinstance(page_size, bool) or not isinstance(page_size, int):
+            raise TypeError(f"page_size must be an int, got {type(page_size).__name__}")
+        if page_size < 1 or page_size & (page_size - 1):
+            raise ValueError(f"page_size must be a power of two >= 1, got {page_size}")
+    dev, like = common_device([("free_pages", free_pages), ("num_free", num_free)] + (requests if given else []))
     check_tensor(free_pages, "free_pages", dim=1, dtypes=(torch.int64,), device=dev, like=like)
     check_tensor(num_free, "num_free", dim=1, dtypes=(torch.int64,), device=dev, like=like)
     check_shape(num_free, "num_free", (1,))
+    if given:
+        check_tensor(req_to_token, "req_to_token", dim=2, dtypes=INDEX_DTYPES, device=dev, like=like)
+        check_tensor(req_pool_indices, "req_pool_indices", dim=1, dtypes=INDEX_DTYPES, device=dev, like=like)
+        check_tensor(seq_lens, "seq_lens", dim=1, dtypes=INDEX_DTYPES, device=dev, like=like)
+        check_shape(seq_lens, "seq_lens", tuple(req_pool_indices.shape), "one entry per request, like req_pool_indices")
     capacity = free_pages.numel()
     top = int(num_free.item())
     if not 0 <= top <= capacity:
@@ -487,15 +558,58 @@ def page_state_from_free_stack(free_pages: torch.Tensor, num_free: torch.Tensor)
     if top and (int(live.min()) < 0 or int(live.max()) >= capacity):
         raise ValueError(f"free_pages[:num_free] must be page ids in [0, {capacity}), got range "
                          f"[{int(live.min())}, {int(live.max())}]")
-    state = torch.full((capacity,), PAGE_HELD, dtype=torch.int32, device=free_pages.device)
+    state = torch.full((capacity,), PAGE_SHARED, dtype=torch.int32, device=free_pages.device)
+    counts = torch.bincount(live, minlength=capacity) if top else torch.zeros(capacity, dtype=torch.int64, device=dev)
     if top:
-        counts = torch.bincount(live, minlength=capacity)
         if int(counts.max()) > 1:
             page = int(counts.argmax())
             raise ValueError(f"free_pages[:num_free] holds page {page} {int(counts[page])} times; a page can be "
                              f"free only once")
         state[live] = PAGE_FREE
+    if given:
+        _set_owners(state, counts > 0, req_to_token, req_pool_indices, seq_lens, page_size)
     return state
+
+
+def _set_owners(state, on_stack, req_to_token, req_pool_indices, seq_lens, page_size: int) -> None:
+    """page_state_from_free_stack's requests: the pages of their positions [0, seq_len) get
+    their owner (row + 1), or stay PAGE_SHARED when two rows hold one."""
+    rows, max_context = req_to_token.shape
+    _check_unique_rows(req_pool_indices)
+    for b, (r, L) in enumerate(zip(req_pool_indices.tolist(), seq_lens.tolist())):
+        if not 0 <= r < rows:
+            raise ValueError(f"req_pool_indices[{b}] = {r} is not a row of req_to_token (0..{rows - 1})")
+        if not 0 <= L <= max_context:
+            raise ValueError(f"seq_lens[{b}] = {L} must be in [0, {max_context}] (the context of req_to_token)")
+    capacity = state.numel()
+    dev = state.device
+    lowest = torch.full((capacity,), torch.iinfo(torch.int64).max, dtype=torch.int64, device=dev)
+    highest = torch.full((capacity,), -1, dtype=torch.int64, device=dev)
+    positions = torch.arange(max_context, device=dev)
+    chunk = max(1, (1 << 22) // max(max_context, 1))  # requests per pass: bounded temporaries
+    B = req_pool_indices.numel()
+    for start in range(0, B, chunk):
+        r = req_pool_indices[start:start + chunk].long()
+        held = positions[None, :] < seq_lens[start:start + chunk].long()[:, None]
+        slots = req_to_token[r].long()
+        problem = held & ((slots < 0) | (slots >= capacity * page_size))
+        if bool(problem.any()):
+            b, pos = (int(x) for x in problem.nonzero()[0])
+            raise ValueError(f"req_to_token[{int(r[b])}, {pos}] = {int(slots[b, pos])} (position {pos} of request "
+                             f"{start + b}) is not a slot of the pool (free_pages.numel() = {capacity} pages of "
+                             f"{page_size}: slots 0..{capacity * page_size - 1})")
+        pages = torch.where(held, slots // page_size, 0)
+        problem = held & on_stack[pages]
+        if bool(problem.any()):
+            b, pos = (int(x) for x in problem.nonzero()[0])
+            raise ValueError(f"req_to_token[{int(r[b])}, {pos}] = {int(slots[b, pos])} (position {pos} of request "
+                             f"{start + b}) is on page {int(pages[b, pos])}, which is on the free stack "
+                             f"(free_pages[:num_free]): a page is free or held, not both")
+        owner = (r + 1)[:, None].expand_as(pages)[held]
+        lowest.scatter_reduce_(0, pages[held], owner, "amin")
+        highest.scatter_reduce_(0, pages[held], owner, "amax")
+    one_owner = (highest >= 0) & (lowest == highest)
+    state[one_owner] = highest[one_owner].to(torch.int32)
 
 
 def _check_kv_buffers(kv_buffers, device: torch.device) -> list[torch.Tensor]:

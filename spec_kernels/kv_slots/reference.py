@@ -7,33 +7,41 @@ always sits at offset ``pos % P`` of its page. Free pages are a stack ``free_pag
 whose capacity ``free_pages.numel()`` is the number of pages in the pool (page ids lie in
 [0, capacity)). The page holding position seq_len-1 of a request, when not full, belongs to it.
 
-Page state (``page_state``, int32 [capacity], part of the pool): every page is either
-PAGE_FREE (0: on the free stack) or PAGE_HELD (1: some request holds a slot of it), so held
-pages plus free pages are exactly the pool. A page is held while ANY of its slots is held: a
-request holds positions [0, seq_len) and, between alloc and commit, its draft positions too, so
-its partially filled last page stays held as long as the request holds one slot of it. The ops
-keep the state in step with the stack:
+Page state (``page_state``, int32 [capacity], part of the pool): every page has an owner.
+PAGE_FREE (0) is a page on the free stack; ``row + 1`` a page that request row ``row`` of
+req_to_token holds (it holds a slot of it: its positions [0, seq_len) and, between alloc and
+commit, its draft positions; its partially filled last page stays its own while it holds one
+slot of it); PAGE_SHARED (-1) a page held by no single request the ops know of (a radix cache's
+shared prefix pages, pages another allocator manages): the ops never pop it, continue it, commit
+into it or free it. So the free pages are exactly the stack, and a request may touch only its
+own pages. The ops keep the state in step with the stack:
 
-* alloc sets every page it pops to held. It refuses (changing nothing) when a request would
-  continue a last page that is not held, when a page it would pop is not a page of the pool, is
+* alloc sets every page it pops to the owner of the request it gives the page to (row + 1).
+  It refuses (changing nothing) when a request would continue a last page it does not own
+  (free, another row's, or PAGE_SHARED), when a page it would pop is not a page of the pool, is
   not free, or sits twice in the popped part of the stack, or when two requests would continue
-  the same last page (STATUS_PAGE_CONFLICT: the stack and the state disagree: corruption).
-* commit sets every page it releases to free. Its draft pages are, per request, the page of
-  each page-block that its draft positions seq_len .. seq_len + num_draft - 1 touch, read at the
-  block's first draft position (page_size 1: every draft slot is its own page; a partially
-  filled last page is the first block). Every draft slot must lie on a held page (else the
-  request is invalid: its drafts were already committed or released), and the draft pages must
-  be pairwise distinct across the call (STATUS_PAGE_CONFLICT): so a commit never frees a page
-  that is not held, never frees one page twice, and never frees a page it also keeps.
+  the same last page (STATUS_PAGE_CONFLICT: the stack and the state disagree: corruption; with
+  distinct rows the owner check refuses it first).
+* commit sets every page it releases to free; the pages it keeps stay their owner's. Its draft
+  pages are, per request, the page of each page-block that its draft positions seq_len ..
+  seq_len + num_draft - 1 touch, read at the block's first draft position (page_size 1: every
+  draft slot is its own page; a partially filled last page is the first block). Every draft slot
+  must lie on a page the request owns (else the request is invalid: its drafts were already
+  committed or released, or req_to_token points into another request's pages), and the draft
+  pages must be pairwise distinct across the call (STATUS_PAGE_CONFLICT): so a commit never
+  frees a page that is not its own, never frees one page twice, and never frees a page it also
+  keeps.
 
-What one held/free bit per page cannot see: a commit that releases nothing cannot be told from
-a first call (e.g. page_size 16 and every draft on the request's kept pages: a repeat only moves
-KV rows again), and a stale commit whose draft pages were handed out again in between (held
-again, by another request) looks valid; replaying a commit right after it, or after its request
-was released, is refused. Callers that move pages themselves keep the state too: pages pushed
-back onto the stack (a finished request's) become PAGE_FREE, pages taken by another allocator (a
-prompt's) PAGE_HELD. ``api.page_state_from_free_stack`` builds the state of a pool from its free
-stack.
+What an owner per page cannot see: a commit that releases nothing cannot be told from a first
+call (e.g. page_size 16 and every draft on the request's kept pages: a repeat only moves KV rows
+again), and a stale commit whose draft pages were handed out again in between to the same row
+looks valid; replaying a commit right after it, after its request was released, or after its
+pages went to another row is refused. Callers that move pages themselves keep the state too:
+pages pushed back onto the stack (a finished request's) become PAGE_FREE, pages given to request
+row ``row`` by other means (its prompt's) ``row + 1``, pages several requests share (a prefix
+cache's) PAGE_SHARED, and a page a request row gives up without freeing it (into a prefix cache)
+PAGE_SHARED. ``api.page_state_from_free_stack`` builds the state of a pool from its free stack and
+the requests that hold pages.
 
 Everything here reads the tensors' values on the host (it syncs with a GPU); it is written to
 be obviously right, not fast.
@@ -46,12 +54,19 @@ from typing import Optional, Sequence
 import torch
 
 
-# page_state values (csrc/include/spec_kernels/launchers.h). PAGE_MARK is seen only inside a
-# kernel launch: the kernels claim the call's pages with atomic exchanges to it, which finds a
-# page claimed twice, and set every claimed page to its final state (or back) before the launch ends.
+# page_state values (csrc/include/spec_kernels/launchers.h); an owned page holds row + 1 (>= 1).
+# PAGE_MARK is seen only inside a kernel launch: the kernels claim the call's pages with atomic
+# exchanges to it, which finds a page claimed twice, and set every claimed page to its final
+# state (or back) before the launch ends. Negative, so that it is nobody's owner.
 PAGE_FREE = 0
-PAGE_HELD = 1
-PAGE_MARK = 2
+PAGE_SHARED = -1
+PAGE_MARK = -2
+
+
+def page_owner(row: int) -> int:
+    """The page_state value of a page that request row `row` of req_to_token holds."""
+    return row + 1
+
 
 # status[0] codes, shared with the Triton and CUDA kernels (csrc/include/spec_kernels/launchers.h).
 STATUS_OK = 0
@@ -125,8 +140,22 @@ def _verdict(top: int, capacity: int, bad: Optional[tuple[int, str]], pages: int
     return Verdict(STATUS_OK, pages, top, request, tokens)
 
 
-def _state_name(value: int) -> str:
-    return {PAGE_FREE: "free", PAGE_HELD: "held"}.get(value, f"invalid ({value})")
+def _state_text(page: int, value: int) -> str:
+    """What page_state[page] = value says, for messages."""
+    if value == PAGE_FREE:
+        what = "free"
+    elif value == PAGE_SHARED:
+        what = "held by no single request (PAGE_SHARED, e.g. a shared prefix page)"
+    elif value > 0:
+        what = f"owned by row {value - 1}"
+    else:
+        what = "not a page state"
+    return f"page_state[{page}] = {value}, {what}"
+
+
+def _not_own(r: int, b: int, page: int, value: int, free_hint: str) -> str:
+    return (f"which request {b} (row {r}) does not own ({_state_text(page, value)}"
+            f"{': ' + free_hint if value == PAGE_FREE else ''})")
 
 
 def alloc_verdict(req_to_token, req_pool_indices, seq_lens, num_draft, free_pages, num_free, page_state,
@@ -145,10 +174,10 @@ def alloc_verdict(req_to_token, req_pool_indices, seq_lens, num_draft, free_page
             if not 0 <= page < capacity:
                 why = (f"req_to_token[{r}, {L - 1}] = {last} (the last slot of request {b}) is not in a "
                        f"page of the pool (page ids 0..{capacity - 1})")
-            elif state[page] != PAGE_HELD:
+            elif state[page] != page_owner(r):
                 why = (f"req_to_token[{r}, {L - 1}] = {last} (the last slot of request {b}) is on page {page}, "
-                       f"which is not held (page_state[{page}] = {state[page]}, {_state_name(state[page])}): "
-                       f"was the request released?")
+                       f"{_not_own(r, b, page, state[page], 'was the request released?')}: a request continues "
+                       f"only a last page it owns")
             else:
                 continued.append((b, page))
         if why:
@@ -173,8 +202,8 @@ def alloc_verdict(req_to_token, req_pool_indices, seq_lens, num_draft, free_page
                 return (f"free_pages[{j}] = {page}, a page this call would pop, is not a page of the pool "
                         f"(0..{capacity - 1})")
             if state[page] != PAGE_FREE:
-                return (f"free_pages[{j}] = {page}, a page this call would pop, is not free (page_state[{page}] = "
-                        f"{state[page]}, {_state_name(state[page])}): the free stack and page_state disagree")
+                return (f"free_pages[{j}] = {page}, a page this call would pop, is not free "
+                        f"({_state_text(page, state[page])}): the free stack and page_state disagree")
             if page in popped:
                 return (f"page {page} is twice in the part of the free stack this call pops "
                         f"(free_pages[{popped[page]}] and [{j}])")
@@ -224,10 +253,11 @@ def commit_verdict(req_to_token, req_pool_indices, seq_lens, num_draft, accept_i
                            f"the pool{' and kv_buffers' if moves_kv else ''} (0..{slot_bound - 1})")
                     break
                 page = slot // page_size
-                if state[page] != PAGE_HELD:
-                    why = (f"req_to_token[{r}, {L + i}] = {slot} (draft {i} of request {b}) is on page {page}, which "
-                           f"is not held (page_state[{page}] = {state[page]}, {_state_name(state[page])}): were "
-                           f"these drafts already committed, or the request released?")
+                if state[page] != page_owner(r):
+                    hint = "were these drafts already committed, or the request released?"
+                    why = (f"req_to_token[{r}, {L + i}] = {slot} (draft {i} of request {b}) is on page {page}, "
+                           f"{_not_own(r, b, page, state[page], hint)}: a commit frees or keeps only the "
+                           f"request's own pages")
                     break
         if why:
             bad = (b, why)
@@ -281,7 +311,8 @@ def alloc_draft_slots(req_to_token, req_pool_indices, seq_lens, num_draft, free_
     """Give positions seq_len_b .. seq_len_b + num_draft_b - 1 of every request a slot.
 
     A request first fills the free slots of its partially filled last page, then takes pages
-    from the top of the stack (request 0 first); the popped pages become held in page_state.
+    from the top of the stack (request 0 first); page_state records each popped page's owner
+    (the request's row + 1).
     out_cache_loc gets the slots in request order (draft order inside a request) and -1 in
     entries beyond sum(num_draft). An invalid call changes nothing but out_cache_loc (all -1)
     and status."""
@@ -299,7 +330,7 @@ def alloc_draft_slots(req_to_token, req_pool_indices, seq_lens, num_draft, free_
             if pos % page_size == 0:  # a page boundary: take the page on top of the stack
                 page = stack[top - 1]
                 top -= 1
-                page_state[page] = PAGE_HELD
+                page_state[page] = page_owner(r)
             elif pos == L:  # continue the request's partially filled last page
                 page = int(req_to_token[r, L - 1]) // page_size
             slot = page * page_size + pos % page_size
@@ -320,7 +351,7 @@ def commit_draft_slots(req_to_token, req_pool_indices, seq_lens, num_draft, acce
     accepted draft path[j] moves its KV row to the slot of position seq_len + j in every
     kv_buffers tensor, in path order (path[j] >= j, so no row is overwritten before it is read),
     and the pages wholly beyond the new length are pushed. The pushed pages become free in
-    page_state. Entries of req_to_token beyond the new lengths are left as they are. An invalid
+    page_state; the kept ones stay the request's. Entries of req_to_token beyond the new lengths are left as they are. An invalid
     call changes nothing but new_seq_lens (= seq_lens) and status."""
     verdict = commit_verdict(req_to_token, req_pool_indices, seq_lens, num_draft, accept_index, accept_len,
                              free_pages, num_free, page_state, page_size, max_draft, kv_buffers)

@@ -6,18 +6,22 @@ the batch in chunks of BLOCK_B requests with a running prefix sum, which gives e
 offset into the free-page stack and into out_cache_loc. Integer logic only: results equal the
 reference exactly.
 
-Page state: once everything else is valid, the bookkeeping claims the call's pages (alloc: the
-pages it pops and the last pages requests continue; commit: the draft pages) with atomic
-exchanges to PAGE_MARK. Every claimed page was checked before to be in the state the call needs,
-so an exchange that returns PAGE_MARK is a page claimed twice: the call is refused and every
-claimed page is set back to that state. Otherwise the writes set each claimed page to its final
-state (popped: held; commit: released pages free, kept pages held), again by atomic exchange.
+Page state (an owner per page: 0 free, row + 1, PAGE_SHARED): once everything else is valid,
+the bookkeeping claims the call's pages (alloc: the pages it pops and the last pages requests
+continue; commit: the draft pages) with atomic exchanges to PAGE_MARK. Every claimed page was
+checked before to be in the state the call needs (popped: free; continued and draft pages: the
+request's row + 1), so an exchange that returns PAGE_MARK is a page claimed twice: the call is
+refused and every claimed page is set back to that state. Otherwise the writes set each claimed
+page to its final state (popped: the owner of the request it goes to; continued: its owner
+again; commit: released pages free, kept pages their owner), again by atomic exchange.
 
 Commit with page_size > 1 and KV buffers also moves the accepted drafts' KV rows in the same
 launch, with the hand-off of csrc/kv_slots/kv_slots.cu: program (b, s) moves request b's rows in
 a share s of the buffers; the first program to arrive is elected to keep the books first and
 publishes the verdict once the whole batch is validated; every program waits for it, and nothing
-moves if the call was refused. The moves touch nothing the bookkeeping reads or writes.
+moves if the call was refused. The election and the verdict are tagged with the launch's
+generation, read from the scratch, which the last program to finish advances (after clearing the
+other words). The moves touch nothing the bookkeeping reads or writes.
 
 Same rules, codes and precedence as spec_kernels/kv_slots/reference.py (see there).
 """
@@ -29,7 +33,6 @@ import triton.language as tl
 from .. import _ops
 from .reference import (
     PAGE_FREE,
-    PAGE_HELD,
     PAGE_MARK,
     STATUS_BAD_REQUEST,
     STATUS_BAD_STACK,
@@ -46,18 +49,22 @@ _BAD_STACK = tl.constexpr(STATUS_BAD_STACK)
 _OUT_TOO_SMALL = tl.constexpr(STATUS_OUT_TOO_SMALL)
 _PAGE_CONFLICT = tl.constexpr(STATUS_PAGE_CONFLICT)
 _FREE = tl.constexpr(PAGE_FREE)
-_HELD = tl.constexpr(PAGE_HELD)
 _MARK = tl.constexpr(PAGE_MARK)
 
-# The launch-wide hand-off (kv_slots.cu, "launch-wide hand-off"): scratch words
-# (tag << MOVE_TAG_SHIFT) | value, below 2^63.
-MOVE_TAG_SHIFT = 25
-MOVE_TAG_BITS = 63 - MOVE_TAG_SHIFT
-MOVE_SYNC_WORDS = 3
-MOVE_MAX_PROGRAMS = (1 << (MOVE_TAG_SHIFT - 1)) - 1  # num_requests x shares
+# The launch-wide hand-off (kv_slots.cu, "launch-wide hand-off"; launchers.h has the constants):
+# scratch [generation, election, verdict, programs finished]; the election and verdict words are
+# (tag << MOVE_TAG_SHIFT) | value with tag = generation + 1, below 2^63 (a non-negative int64).
+MOVE_SYNC_WORDS = 4
+MOVE_TAG_SHIFT = 8
+MOVE_GENERATIONS = (1 << (63 - MOVE_TAG_SHIFT)) - 1  # generations 0 .. MOVE_GENERATIONS - 1
+MOVE_MAX_PROGRAMS = (1 << 24) - 1  # num_requests x shares
 _TAG_SHIFT = tl.constexpr(MOVE_TAG_SHIFT)
 _VALUE_MASK = tl.constexpr((1 << MOVE_TAG_SHIFT) - 1)
-_SYNC_WORDS = tl.constexpr(MOVE_SYNC_WORDS)
+_GENERATIONS = tl.constexpr(MOVE_GENERATIONS)
+_GENERATION = tl.constexpr(0)  # the scratch's words
+_ELECTION = tl.constexpr(1)
+_VERDICT = tl.constexpr(2)
+_FINISHED = tl.constexpr(3)
 _MAX_POLLS = tl.constexpr(1 << 27)  # minutes of polling with the back-off; the bookkeeper needs microseconds
 
 
@@ -104,8 +111,9 @@ def _write_status(STATUS, code, top, bad, B, pages, tokens):
 
 @triton.jit
 def _set_pages(STATE, pages, mask, value):
-    """page_state[pages] = value (atomic exchange); returns whether any of them was PAGE_MARK."""
-    old = tl.atomic_xchg(STATE + pages, tl.full(pages.shape, value, tl.int32), mask=mask)
+    """page_state[pages] = value (a scalar or like pages; atomic exchange); returns whether any of
+    them was PAGE_MARK."""
+    old = tl.atomic_xchg(STATE + pages, (tl.zeros(pages.shape, tl.int32) + value).to(tl.int32), mask=mask)
     return tl.max(tl.ravel(tl.where(mask & (old == _MARK), 1, 0)), 0)
 
 
@@ -113,16 +121,16 @@ def _set_pages(STATE, pages, mask, value):
 @triton.jit
 def _alloc_chunk(RTT, stride_rtt, rows, max_ctx, RPI, SEQ, ND, STATE, capacity, max_draft, B, start,
                  LOG2P: tl.constexpr, BLOCK_B: tl.constexpr, CHECK_STATE: tl.constexpr):
-    """A chunk of requests: validity, and the last page each continues (`partial`). The state of
+    """A chunk of requests: validity, and the last page each continues (`partial`). The owner of
     the continued pages is checked only while nothing is claimed (CHECK_STATE, pass 1)."""
     b, live, r, L, n, ok = _requests(rows, max_ctx, RPI, SEQ, ND, max_draft, B, start, BLOCK_B)
     P: tl.constexpr = 1 << LOG2P
     partial = ok & (n > 0) & ((L & (P - 1)) != 0)  # continues its last, partially filled page
     last_page = tl.load(RTT + r * stride_rtt + L - 1, mask=live & partial, other=0).to(tl.int64) >> LOG2P
     in_pool = (last_page >= 0) & (last_page < capacity)
-    if CHECK_STATE:
-        held = tl.load(STATE + last_page, mask=live & partial & in_pool, other=_HELD) == _HELD
-        in_pool = in_pool & held
+    if CHECK_STATE:  # a request continues only a page it owns (row + 1)
+        owner = tl.load(STATE + last_page, mask=live & partial & in_pool, other=0).to(tl.int64)
+        in_pool = in_pool & (owner == r + 1)
     ok = ok & ((partial == 0) | in_pool)
     partial = live & partial & ok
     need = tl.where(live & ok, _pages_spanned(L, L + n, LOG2P), 0)
@@ -145,7 +153,7 @@ def _alloc_claim(RTT, stride_rtt, rows, max_ctx, RPI, SEQ, ND, FREE, STATE, capa
         state = tl.load(STATE + page, mask=m & in_pool, other=_FREE)
         bad = tl.maximum(bad, tl.max(tl.where(m & ((in_pool == 0) | (state != _FREE)), 1, 0), 0))
     if bad == 0:
-        # Claim: a popped page is free and a continued one held, so PAGE_MARK means claimed twice.
+        # Claim: a popped page is free and a continued one owned, so PAGE_MARK means claimed twice.
         for j0 in range(top - pages, top, BLOCK_OUT):
             j = j0 + tl.arange(0, BLOCK_OUT)
             m = j < top
@@ -156,23 +164,24 @@ def _alloc_claim(RTT, stride_rtt, rows, max_ctx, RPI, SEQ, ND, FREE, STATE, capa
                 False)
             bad = tl.maximum(bad, _set_pages(STATE, last_page, partial, _MARK))
         if bad != 0:  # refused: every claimed page back to the state it was checked to have
-            _alloc_settle(RTT, stride_rtt, rows, max_ctx, RPI, SEQ, ND, FREE, STATE, capacity, max_draft, B, top,
-                          pages, _FREE, LOG2P, BLOCK_B, BLOCK_OUT)
+            tl.debug_barrier()
+            for j0 in range(top - pages, top, BLOCK_OUT):
+                j = j0 + tl.arange(0, BLOCK_OUT)
+                m = j < top
+                _set_pages(STATE, tl.load(FREE + j, mask=m, other=0), m, _FREE)
+            _alloc_restore_continued(RTT, stride_rtt, rows, max_ctx, RPI, SEQ, ND, STATE, capacity, max_draft, B,
+                                     LOG2P, BLOCK_B)
     return bad
 
 
 @triton.jit
-def _alloc_settle(RTT, stride_rtt, rows, max_ctx, RPI, SEQ, ND, FREE, STATE, capacity, max_draft, B, top, pages,
-                  popped_state, LOG2P: tl.constexpr, BLOCK_B: tl.constexpr, BLOCK_OUT: tl.constexpr):
-    """The claimed pages' final state: the popped ones popped_state, the continued ones held."""
-    for j0 in range(top - pages, top, BLOCK_OUT):
-        j = j0 + tl.arange(0, BLOCK_OUT)
-        m = j < top
-        _set_pages(STATE, tl.load(FREE + j, mask=m, other=0), m, popped_state)
+def _alloc_restore_continued(RTT, stride_rtt, rows, max_ctx, RPI, SEQ, ND, STATE, capacity, max_draft, B,
+                             LOG2P: tl.constexpr, BLOCK_B: tl.constexpr):
+    """The continued pages' final state, accepted or refused: their owner (row + 1) again."""
     for start in range(0, B, BLOCK_B):
         b, live, r, L, n, ok, last_page, need, partial = _alloc_chunk(
             RTT, stride_rtt, rows, max_ctx, RPI, SEQ, ND, STATE, capacity, max_draft, B, start, LOG2P, BLOCK_B, False)
-        _set_pages(STATE, last_page, partial, _HELD)
+        _set_pages(STATE, last_page, partial, (r + 1).to(tl.int32))
 
 
 @triton.jit
@@ -228,10 +237,14 @@ def _alloc_kernel(
             slot = (page << LOG2P) + (pos & (P - 1))
             tl.store(RTT + r[:, None] * stride_rtt + pos, slot, mask=item)
             tl.store(OUT + token_off[:, None] + i, slot, mask=item)
+            # A popped page (claimed) gets its owner at its first position, which starts the page.
+            first_of_page = item & fresh & ((pos & (P - 1)) == 0)
+            _set_pages(STATE, page, first_of_page, (r[:, None] + 1 + tl.zeros_like(pos)).to(tl.int32))
             page_carry += tl.sum(need, 0)
             token_carry += tl.sum(n, 0)
-        _alloc_settle(RTT, stride_rtt, rows, max_ctx, RPI, SEQ, ND, FREE, STATE, capacity, max_draft, B, top, pages,
-                      _HELD, LOG2P, BLOCK_B, BLOCK_OUT)
+        tl.debug_barrier()
+        _alloc_restore_continued(RTT, stride_rtt, rows, max_ctx, RPI, SEQ, ND, STATE, capacity, max_draft, B,
+                                 LOG2P, BLOCK_B)
         tl.store(NUM_FREE, top - pages)
 
 
@@ -239,7 +252,8 @@ def _alloc_kernel(
 @triton.jit
 def _elect_bookkeeper(WORD, tag):
     """Whether this program keeps the books: exactly one of the launch wins, with at most one
-    compare-and-swap each (seeing this call's tag means another program has won)."""
+    compare-and-swap each (seeing this launch's tag means another program has won; a word of any
+    other generation is taken over)."""
     seen = tl.atomic_add(WORD, 0)
     won = (seen >> _TAG_SHIFT) != tag
     if won:
@@ -275,7 +289,8 @@ def _commit_chunk(
 ):
     """Validate a chunk of requests; also returns each one's accepted-draft bit mask, its draft
     slots [BLOCK_B, BLOCK_N] and how many pages (slots when P = 1) it releases. CHECK_STATE: also
-    check that every draft slot is on a held page (only while nothing is claimed: pass 1)."""
+    check that every draft slot is on a page the request owns (only while nothing is claimed:
+    pass 1)."""
     b, live, r, L, n, ok = _requests(rows, max_ctx, RPI, SEQ, ND, max_draft, B, start, BLOCK_B)
     k = tl.load(ACC_LEN + b, mask=live, other=0).to(tl.int64)
     ok = ok & (k >= 0) & (k <= n) & (k <= width)
@@ -296,9 +311,9 @@ def _commit_chunk(
     is_draft = (live & ok)[:, None] & (i < n[:, None])
     slots = tl.load(RTT + r[:, None] * stride_rtt + L[:, None] + i, mask=is_draft, other=0).to(tl.int64)
     in_pool = (slots >= 0) & (slots < slot_bound)
-    if CHECK_STATE:
-        held = tl.load(STATE + (slots >> LOG2P), mask=is_draft & in_pool, other=_HELD) == _HELD
-        in_pool = in_pool & held
+    if CHECK_STATE:  # every draft slot on a page the request owns (row + 1)
+        owner = tl.load(STATE + (slots >> LOG2P), mask=is_draft & in_pool, other=0).to(tl.int64)
+        in_pool = in_pool & (owner == (r + 1)[:, None])
     ok = ok & (tl.min(tl.where(is_draft, in_pool, 1).to(tl.int32), 1) > 0)
     if LOG2P == 0:
         released = n - k
@@ -314,9 +329,10 @@ def _set_draft_pages(RTT, stride_rtt, rows, max_ctx, RPI, SEQ, ND, ACC_LEN, STAT
                      MODE: tl.constexpr, LOG2P: tl.constexpr, BLOCK_B: tl.constexpr, BLOCK_N: tl.constexpr,
                      BLOCK_Q: tl.constexpr):
     """The draft pages of a chunk of (valid) requests (reference.draft_pages): MODE 0 claims them
-    (PAGE_MARK), 1 sets them back to held; MODE 2, after the writes, sets the kept ones held (the
-    released ones are those pushed: _release_pushed). Returns whether a claim found a page
-    claimed already. Loads only what it needs (no pass-1 tile is live here)."""
+    (PAGE_MARK), 1 gives them back to their owner (row + 1); MODE 2, after the writes, gives the
+    kept ones back to their owner (the released ones are those pushed: _release_pushed). Returns
+    whether a claim found a page claimed already. Loads only what it needs (no pass-1 tile is
+    live here)."""
     P: tl.constexpr = 1 << LOG2P
     b, live, r, L, n, ok = _requests(rows, max_ctx, RPI, SEQ, ND, max_draft, B, start, BLOCK_B)
     live = live & ok
@@ -334,7 +350,10 @@ def _set_draft_pages(RTT, stride_rtt, rows, max_ctx, RPI, SEQ, ND, ACC_LEN, STAT
         first = tl.maximum(block, L[:, None])  # its first draft position
         is_draft = live[:, None] & (first < end[:, None])
         pages = tl.load(RTT + r[:, None] * stride_rtt + first, mask=is_draft, other=0).to(tl.int64) >> LOG2P
-    value = tl.full(pages.shape, _MARK if MODE == 0 else _HELD, tl.int32)
+    if MODE == 0:
+        value = tl.full(pages.shape, _MARK, tl.int32)
+    else:
+        value = (r[:, None] + 1 + tl.zeros_like(pages)).to(tl.int32)
     old = tl.atomic_xchg(STATE + pages, value, mask=is_draft)
     return tl.max(tl.max(tl.where(is_draft & (old == _MARK), 1, 0), 1), 0)
 
@@ -369,20 +388,20 @@ def _commit_books(
         accepted += tl.sum(k, 0)
     code = _verdict(top, capacity, bad, B, tl.where(top + released > capacity, _BAD_STACK, _OK))
     if code == _OK:
-        # Claim the draft pages (all checked held): PAGE_MARK back means a page claimed twice.
+        # Claim the draft pages (all checked owned): PAGE_MARK back means a page claimed twice.
         twice = tl.full([], 0, tl.int32)
         for start in range(0, B, BLOCK_B):
             twice = tl.maximum(twice, _set_draft_pages(RTT, stride_rtt, rows, max_ctx, RPI, SEQ, ND, ACC_LEN, STATE,
                                                        max_draft, B, start, 0, LOG2P, BLOCK_B, BLOCK_N, BLOCK_Q))
-        if twice != 0:  # refused: every claimed page back to held
+        if twice != 0:  # refused: every claimed page back to its owner
             for start in range(0, B, BLOCK_B):
                 _set_draft_pages(RTT, stride_rtt, rows, max_ctx, RPI, SEQ, ND, ACC_LEN, STATE, max_draft, B, start, 1,
                                  LOG2P, BLOCK_B, BLOCK_N, BLOCK_Q)
             code = tl.full([], _PAGE_CONFLICT, tl.int32)
     _write_status(STATUS, code, top, bad, B, released, accepted)
     if MOVES:  # every program waits for this; it also publishes the zeroed count of finished ones
-        tl.atomic_xchg(SYNC + 2, tag << _TAG_SHIFT)
-        tl.atomic_xchg(SYNC + 1, (tag << _TAG_SHIFT) + code.to(tl.int64))
+        tl.atomic_xchg(SYNC + _FINISHED, 0)
+        tl.atomic_xchg(SYNC + _VERDICT, (tag << _TAG_SHIFT) + code.to(tl.int64))
 
     carry = tl.full([], 0, tl.int64)
     for start in range(0, B, BLOCK_B):
@@ -416,7 +435,7 @@ def _commit_books(
             b = start + tl.arange(0, BLOCK_B)
             tl.store(NEW_SEQ + b, tl.load(SEQ + b, mask=b < B), mask=b < B)
     if code == _OK:
-        # The claimed pages' final state: pushed ones free, kept ones held.
+        # The claimed pages' final state: pushed ones free, kept ones their owner's.
         tl.debug_barrier()
         _release_pushed(FREE, STATE, top, released, BLOCK_A * 4)
         for start in range(0, B, BLOCK_B):
@@ -441,7 +460,7 @@ def _move_kv_rows(
     k = tl.sum(k, 0)  # 0 when the request is invalid: nothing moves
     r = tl.sum(r, 0)
     L = tl.sum(L, 0)
-    if _wait_for_verdict(SYNC + 1, tag, ON_GPU) != _OK:
+    if _wait_for_verdict(SYNC + _VERDICT, tag, ON_GPU) != _OK:
         k = tl.zeros_like(k)
     # Path order: draft path[j] >= j, so row j is overwritten only after every read of it.
     for j in range(0, k):
@@ -468,18 +487,22 @@ def _move_kv_rows(
         tl.debug_barrier()
 
 
-@triton.jit(do_not_specialize=["tag"])
+@triton.jit
 def _commit_kernel(
     RTT, stride_rtt, rows, max_ctx, RPI, SEQ, ND, ACC, stride_acc, width, ACC_LEN, slot_bound,
     FREE, NUM_FREE, STATE, capacity, NEW_SEQ, STATUS, B, max_draft,
-    KV_TABLE, num_buffers, num_shares, SYNC, tag,
+    KV_TABLE, num_buffers, num_shares, SYNC,
     LOG2P: tl.constexpr, PREFIX_ONLY: tl.constexpr, UNIT_BYTES: tl.constexpr, MOVES: tl.constexpr,
     ON_GPU: tl.constexpr, BLOCK_B: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_A: tl.constexpr, BLOCK_Q: tl.constexpr,
     BLOCK_U: tl.constexpr,
 ):
     if MOVES:
-        tag = tag.to(tl.int64)
-        if _elect_bookkeeper(SYNC, tag):  # see the module docstring
+        # The generation cannot change during the launch: only the last program to finish
+        # advances it, after every program has read it here. tag = generation + 1 is never 0 (a
+        # cleared word) and differs from the previous launch's.
+        generation = tl.atomic_add(SYNC + _GENERATION, 0)
+        tag = generation + 1
+        if _elect_bookkeeper(SYNC + _ELECTION, tag):  # see the module docstring
             _commit_books(RTT, stride_rtt, rows, max_ctx, RPI, SEQ, ND, ACC, stride_acc, width, ACC_LEN, slot_bound,
                           FREE, NUM_FREE, STATE, capacity, NEW_SEQ, STATUS, B, max_draft, SYNC, tag,
                           LOG2P, PREFIX_ONLY, MOVES, BLOCK_B, BLOCK_N, BLOCK_A, BLOCK_Q)
@@ -487,13 +510,16 @@ def _commit_kernel(
         _move_kv_rows(RTT, stride_rtt, rows, max_ctx, RPI, SEQ, ND, ACC, stride_acc, width, ACC_LEN, slot_bound,
                       B, max_draft, KV_TABLE, num_buffers, pid // num_shares, pid % num_shares, num_shares, SYNC, tag,
                       LOG2P, UNIT_BYTES, ON_GPU, BLOCK_N, BLOCK_A, BLOCK_U)
-        # The last program to finish zeroes the scratch (a CUDA-graph replay reuses the tag).
-        if (tl.atomic_add(SYNC + 2, 1) & _VALUE_MASK) + 1 == tl.num_programs(0):
-            for i in range(_SYNC_WORDS):
-                tl.atomic_xchg(SYNC + i, 0)
+        # The last program to finish (every other one has counted itself, after its last access to
+        # the scratch) clears the words and advances the generation, for the next launch.
+        if tl.atomic_add(SYNC + _FINISHED, 1) + 1 == tl.num_programs(0):
+            tl.atomic_xchg(SYNC + _ELECTION, 0)
+            tl.atomic_xchg(SYNC + _VERDICT, 0)
+            tl.atomic_xchg(SYNC + _FINISHED, 0)
+            tl.atomic_xchg(SYNC + _GENERATION, tl.where(generation + 1 < _GENERATIONS, generation + 1, 0))
     else:
         _commit_books(RTT, stride_rtt, rows, max_ctx, RPI, SEQ, ND, ACC, stride_acc, width, ACC_LEN, slot_bound,
-                      FREE, NUM_FREE, STATE, capacity, NEW_SEQ, STATUS, B, max_draft, SYNC, tag,
+                      FREE, NUM_FREE, STATE, capacity, NEW_SEQ, STATUS, B, max_draft, SYNC, 0,
                       LOG2P, PREFIX_ONLY, MOVES, BLOCK_B, BLOCK_N, BLOCK_A, BLOCK_Q)
 
 
@@ -522,18 +548,17 @@ def alloc_draft_slots(req_to_token, req_pool_indices, seq_lens, num_draft, free_
 
 def commit_draft_slots(req_to_token, req_pool_indices, seq_lens, num_draft, accept_index, accept_len,
                        free_pages, num_free, page_state, page_size: int, max_draft: int, kv_table, new_seq_lens, status,
-                       num_shares: int = 1, move_sync=None, move_tag: int = 0) -> None:
+                       num_shares: int = 1, move_sync=None) -> None:
     """Arguments as reference.commit_draft_slots, except the KV buffers: kv_table is the
     KvTable of api.py (or None); num_shares splits each request's buffers over that many programs;
-    move_sync (int64 [MOVE_SYNC_WORDS], any contents, not shared with a concurrent launch) and
-    move_tag (in [1, 2^MOVE_TAG_BITS), new for every call) are the hand-off's scratch when rows
-    move."""
+    move_sync is the hand-off's scratch when rows move (int64 [MOVE_SYNC_WORDS], zero or left by
+    the previous launch on it, never shared with a concurrent launch: api.move_sync)."""
     B = req_pool_indices.numel()
     log2p = page_size.bit_length() - 1
     moves = page_size > 1 and kv_table is not None and B > 0
-    if moves and (move_sync is None or not 1 <= move_tag < 1 << MOVE_TAG_BITS
+    if moves and (move_sync is None or move_sync.numel() != MOVE_SYNC_WORDS
                   or not 1 <= B * num_shares <= MOVE_MAX_PROGRAMS):
-        raise ValueError("commit_draft_slots: moving KV rows needs move_sync, a move_tag in [1, 2^38) and "
+        raise ValueError(f"commit_draft_slots: moving KV rows needs move_sync (int64 [{MOVE_SYNC_WORDS}]) and "
                          f"1 <= B x num_shares <= {MOVE_MAX_PROGRAMS}")
     capacity = free_pages.numel()
     slot_bound = min(capacity * page_size, kv_table.num_rows) if moves else capacity * page_size
@@ -544,7 +569,7 @@ def commit_draft_slots(req_to_token, req_pool_indices, seq_lens, num_draft, acce
         req_pool_indices, seq_lens, num_draft, accept_index, accept_index.stride(0), width, accept_len, slot_bound,
         free_pages, num_free, page_state, capacity, new_seq_lens, status, B, max_draft,
         kv_table.table if moves else free_pages, kv_table.num_buffers if moves else 0, num_shares,
-        move_sync if moves else free_pages, move_tag if moves else 1 << 32,
+        move_sync if moves else free_pages,
         LOG2P=log2p, PREFIX_ONLY=page_size > 1 and not moves, UNIT_BYTES=min(kv_table.unit_bytes, 8) if moves else 1,
         MOVES=moves, ON_GPU=not _ops.triton_interpreting(),
         BLOCK_B=_chunk(B), BLOCK_N=triton.next_power_of_2(max_draft), BLOCK_A=triton.next_power_of_2(max(width, 1)),

@@ -20,11 +20,12 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__)))) 
 from spec_kernels import _ops  # noqa: E402
 from spec_kernels.kv_slots import api  # noqa: E402
 from spec_kernels.kv_slots import reference  # noqa: E402
-from test_kv_slots import (KERNEL_REFUSALS, PAGE_STATE_IDS, PAGE_STATE_REFUSALS,  # noqa: E402
-                           _expected_commit, _hand_off_commit, check_page_state_refusal, check_refusal,
-                           check_refused_then_accepted_with_one_scratch_and_tag)
-from test_kv_slots_invariants import (Draw, Sim, _double_commit_sim, alloc_from_corrupt_stack,  # noqa: E402
-                                      commit_never_allocated, host_checks, random_path, release_request,
+from test_kv_slots import (GENERATIONS, KERNEL_REFUSALS, PAGE_STATE_IDS, PAGE_STATE_REFUSALS,  # noqa: E402
+                           check_hand_off_scratch, check_page_state_refusal, check_refusal,
+                           check_refused_then_accepted_with_one_scratch, next_generation, tag_word)
+from test_kv_slots_invariants import (Draw, Sim, _double_commit_sim, _foreign_sim,  # noqa: E402
+                                      alloc_from_corrupt_stack, commit_into_another_request, commit_never_allocated,
+                                      continue_another_requests_page, host_checks, random_path, release_request,
                                       replay_commit)
 
 from tools.ptx_harness.cuda_glue import PtxCudaOps  # noqa: E402
@@ -102,17 +103,20 @@ def test_steps_match_reference(ops, calls, page_size, seed, rtt_dtype, index_dty
 
 def test_several_move_blocks_per_request_and_buffers(ops, calls, monkeypatch):
     """Page size 16 with 7 KV buffers split over 3 move blocks per request (block (b, s) moves
-    buffers s, s + 3, s + 6): 9 blocks wait for one verdict; the hand-off scratch is zeroed
-    afterwards. Buffers of several dtypes, row sizes and strides, two of them K and V interleaved
-    in one tensor."""
+    buffers s, s + 3, s + 6): 9 blocks wait for one verdict; the binding's hand-off scratch (the
+    thread's, left by the previous launch on it) gets the previous generation's words, which the
+    launch must not take for its own; afterwards its generation is advanced and the rest zero.
+    Buffers of several dtypes, row sizes and strides, two of them K and V interleaved in one tensor."""
     scratches = []
     make_sync = api.move_sync
 
     def move_sync(device):
-        scratch, tag = make_sync(device)
-        scratch.fill_(-1)  # garbage: the kernel must ignore words without its tag
-        scratches.append(scratch)
-        return scratch, tag
+        scratch = make_sync(device)
+        g = int(scratch[0])
+        previous = g - 1 if g else GENERATIONS - 1
+        scratch[1:] = torch.tensor([tag_word(previous), tag_word(previous, reference.STATUS_OK), 5])
+        scratches.append((scratch, g))
+        return scratch
 
     monkeypatch.setattr(api, "move_sync", move_sync)
     monkeypatch.setattr(api, "_kv_shares", lambda device, B, num_buffers, per_share: 3)
@@ -129,7 +133,7 @@ def test_several_move_blocks_per_request_and_buffers(ops, calls, monkeypatch):
     start = len(grids(ops, "commit"))
     assert sim.step([2, 0, 1], [8, 5, 3], [[1, 2, 4, 7], [0, 2, 3, 4], [2]])
     assert grids(ops, "commit")[start:] == [9]
-    assert scratches and all(s.tolist() == [0, 0, 0] for s in scratches[-2:])
+    assert scratches and scratches[-1][0].tolist() == [next_generation(scratches[-1][1]), 0, 0, 0]
     sim.check_invariants()
     check_calls(calls)
 
@@ -167,12 +171,29 @@ def test_kernel_refusals_change_nothing(ops, calls, page_size):
         stale = sim.alloc([0, 1], [5, 3])
         release_request(sim, 1)
         sim.expect_refused(lambda st_: sim.commit_call(st_, stale, [[0, 1, 2], [0, 2]], check_status=True),
-                           match="which is not held")
+                           match="does not own")
         sim.check_invariants()
         sim.commit(type(stale)([0], stale.lens[:1], stale.counts[:1], stale.loc), [[0, 1, 2]])
         assert alloc_from_corrupt_stack(sim)
         sim.check_invariants()
     check_calls(calls)
+
+
+@pytest.mark.parametrize("page_size", [1, 16])
+def test_foreign_commit_and_continuation_refused(ops, calls, page_size):
+    """The kernels alone (host checks off) refuse a commit whose req_to_token row points into
+    another request's pages (page size 16: rows move, through the hand-off) and an alloc that
+    would continue another request's last page (page size 16), naming the owner; every tensor is
+    byte for byte as before, and the pool works on."""
+    sim = _foreign_sim(IMPLS, page_size)
+    with host_checks(False):
+        assert commit_into_another_request(sim)
+        sim.check_invariants()
+        assert continue_another_requests_page(sim) == (page_size > 1)
+        sim.check_invariants()
+    assert sim.step([0, 1], [2, 3], [[0, 1], [0, 2]])
+    check_calls(calls)
+    assert sum(s[2][0].item() == reference.STATUS_BAD_REQUEST for s in calls if s[1] == "cuda") == 1 + (page_size > 1)
 
 
 @pytest.mark.parametrize("page_size", [1, 16])
@@ -203,22 +224,15 @@ def test_page_state_refusals(ops, op, page_size, spoil, exc, match, code):
 
 
 def test_hand_off_scratch(ops):
-    """tests/test_kv_slots.py's hand-off checks, fewer launches: scratch holding words of an older
-    tag is ignored, the result is the reference's and the scratch is zeroed (garbage scratch with 3
-    move blocks per request: test_several_move_blocks_per_request_and_buffers); then a refused
-    launch and an accepted one with the same scratch and tag (a CUDA-graph replay)."""
-    want_status, want_new, want = _expected_commit()
-    _, tag = api.move_sync("cpu")
-    old = tag - 1
-    for fill, shares in (([(old << 25) | 5, (old << 25) | 3, (old << 25) | 9], 1),):
-        scratch = torch.tensor(fill, dtype=torch.int64)
-        status, new, got = _hand_off_commit(scratch, tag, "cpu", "cuda", shares)
-        assert status.tolist() == want_status.tolist() and new.tolist() == want_new.tolist()
-        for name in ("req_to_token", "free_pages", "num_free", "page_state"):
-            assert torch.equal(got[name], want[name]), name
-        for x, y in zip(got["kv_buffers"], want["kv_buffers"]):
-            assert torch.equal(x, y)
-        assert scratch.tolist() == [0, 0, 0], f"scratch left {scratch.tolist()} (fill {fill}, shares {shares})"
-        assert grids(ops, "commit")[-1] == 3 * shares
-        tag += 1
-    check_refused_then_accepted_with_one_scratch_and_tag("cpu", "cuda")
+    """tests/test_kv_slots.py's hand-off checks, fewer launches: a scratch holding the previous
+    generation's words (its verdict "accepted"), words of another generation, and the last
+    generation (whose successor is 0) fool neither the election nor the wait; the result is the
+    reference's, the generation advances and the rest is zeroed; then a refused launch and two
+    accepted ones on one scratch (the last after a zeroing, like a CUDA-graph replay)."""
+    fills = [[5, tag_word(4), tag_word(4, reference.STATUS_OK), 2],
+             [5, tag_word(6), tag_word(6, reference.STATUS_OK), 1],
+             [GENERATIONS - 1, tag_word(GENERATIONS - 2), tag_word(GENERATIONS - 2, reference.STATUS_OK), 3]]
+    start = len(grids(ops, "commit"))
+    check_hand_off_scratch("cpu", "cuda", fills, shares_list=(1,))
+    assert grids(ops, "commit")[start:] == [3] * len(fills)
+    check_refused_then_accepted_with_one_scratch("cpu", "cuda")

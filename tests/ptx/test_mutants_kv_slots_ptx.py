@@ -9,8 +9,9 @@ must be caught by, so a case that stops reaching the bug's path fails here too:
 - "refusal not given": the reference refuses the call, the kernel accepts it;
 - "changed although the call was refused": a state byte (page_state, free stack, KV rows...)
   written by a call that was refused;
-- "scratch left": the hand-off scratch not zeroed at the end of the launch;
-- a shared-memory race, or a Deadlock (every block polls for a verdict nobody publishes).
+- "scratch left": the hand-off scratch not left as [next generation, 0, 0, 0] at the end of the launch;
+- a shared-memory race, or a Deadlock (every block polls for a verdict nobody publishes: the
+  report shows blocks inside wait_for_verdict).
 
 A removed __syncwarp between reading and rewriting a request's draft slots (page size 1) is a race
 on GLOBAL memory between lanes of one warp; the interpreter's intra-CTA global race check finds it
@@ -28,8 +29,9 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # tests/
 
 from spec_kernels.kv_slots import reference  # noqa: E402
-from spec_kernels.kv_slots.api import kv_table, move_sync  # noqa: E402
-from test_kv_slots import _draft_page_free, _draft_slot_twice, make_args  # noqa: E402
+from spec_kernels.kv_slots.api import kv_table  # noqa: E402
+from test_kv_slots import (GENERATIONS, _draft_page_foreign, _draft_page_free, _draft_slot_twice,  # noqa: E402
+                           _last_page_foreign, make_args, next_generation, tag_word)
 
 from tools.ptx_harness import build  # noqa: E402
 from ptxsim.executor import Deadlock  # noqa: E402
@@ -73,27 +75,54 @@ MUTANTS = {
         "move blocks move rows whatever the verdict",
         "  if (!moves || verdict != kKvSlotsOk) return;", "  if (!moves) return;", "commit_refused_moves", CHANGED),
     "tag_ignored": (
-        "the election ignores the tag (stale scratch: nobody keeps the books)",
+        "the election ignores the tag (the previous generation's word: nobody keeps the books)",
         "  if ((seen >> kTagShift) == tag) return false;", "  if (seen != 0) return false;", "commit_moves",
         DEADLOCK),
+    "tag_is_generation": (
+        "the tag is the generation itself (0 in a fresh scratch: the cleared verdict word passes for "
+        "\"accepted\" and nobody keeps the books)",
+        "    tag = generation + 1;", "    tag = generation;", "commit_moves_fresh", DIFFERS),
     "no_scratch_reset": (
-        "the last block leaves the scratch as it is",
-        "      for (int i = 0; i < kKvMoveSyncWords; ++i) c.move_sync[i] = 0;", "", "commit_moves", SCRATCH),
+        "the last block leaves the election, verdict and count words as they are",
+        "      c.move_sync[kElection] = c.move_sync[kVerdict] = c.move_sync[kFinished] = 0;\n", "", "commit_moves",
+        SCRATCH),
+    "generation_not_advanced": (
+        "the last block does not advance the generation (the next launch would reuse the tag)",
+        "      c.move_sync[kGeneration] = next_generation(generation);\n", "", "commit_moves", SCRATCH),
+    "generation_no_wrap": (
+        "the generation is not wrapped after the last one (the tag would outgrow its bits)",
+        "  return g + 1 < static_cast<uint64_t>(kKvMoveGenerations) ? g + 1 : 0;", "  return g + 1;",
+        "commit_moves_last_generation", SCRATCH),
     "done_not_zeroed": (
-        "the bookkeeper does not zero the count of finished blocks",
-        "    c.move_sync[2] = c.move_tag << kTagShift;\n", "", "commit_moves", SCRATCH),
+        "the bookkeeper does not zero the count of finished blocks (a stale count: no last block)",
+        "    c.move_sync[kFinished] = 0;\n", "", "commit_moves", SCRATCH),
     "draft_state_unchecked": (
-        "commit pass 1: draft slots not checked to be on held pages",
-        "(!check_state || a.page_state[slot >> a.log2_page_size] == kPageHeld)", "true", "commit_draft_page_free",
-        NOT_REFUSED),
+        "commit pass 1: draft slots not checked against page_state at all",
+        "(!check_state || a.page_state[slot >> a.log2_page_size] == page_owner(q.row))", "true",
+        "commit_draft_page_free", NOT_REFUSED),
+    "commit_owner_unchecked": (
+        "commit pass 1: a draft page held by anyone passes (not only the request's own)",
+        "a.page_state[slot >> a.log2_page_size] == page_owner(q.row)",
+        "a.page_state[slot >> a.log2_page_size] > kPageFree", "commit_draft_page_foreign", NOT_REFUSED),
+    "continuation_owner_unchecked": (
+        "alloc pass 1: a continued last page held by anyone passes (not only the request's own)",
+        "a.page_state[last_page] == page_owner(q.row)", "a.page_state[last_page] > kPageFree",
+        "alloc_last_page_foreign", NOT_REFUSED),
     "no_claim_rollback": (
         "commit: a page claimed twice refuses the call but the claims stay (kPageMark left)",
-        "    each_draft_page(t, [](int32_t* s) {\n      atomicExch(s, kPageHeld);\n      return false;\n    });\n"
-        "    return true;", "    return true;",
+        "    each_draft_page(t, [](int32_t* s, int32_t owner) {\n      atomicExch(s, owner);\n      return false;\n"
+        "    });\n    return true;", "    return true;",
         "commit_slot_twice", CHANGED),
     "popped_left_claimed": (
-        "alloc: the popped pages keep kPageMark instead of becoming held",
-        "    settle(t, top, pages, kPageHeld);\n", "", "alloc", DIFFERS),
+        "alloc: the popped pages keep kPageMark instead of getting their owner",
+        "          atomicExch(a.page_state + page, page_owner(t.row[i]));\n", "", "alloc", DIFFERS),
+    "popped_owner_row0": (
+        "alloc: every popped page gets 1 (row 0 as the owner; the former held) instead of its request's row + 1",
+        "          atomicExch(a.page_state + page, page_owner(t.row[i]));\n",
+        "          atomicExch(a.page_state + page, 1);\n", "alloc", DIFFERS),
+    "kept_page_owner_lost": (
+        "commit: a kept draft page gets 1 (row 0) instead of its request's row + 1",
+        "released ? kPageFree : page_owner(t.row[i])", "released ? kPageFree : 1", "commit_moves", DIFFERS),
 }
 
 
@@ -167,10 +196,12 @@ def _compare(op, want, got):
             raise AssertionError(f"{op}: {name} {how} (first differing indices {bad})")
 
 
-def run_alloc(ops, page_size=4):
+def run_alloc(ops, page_size=4, spoil=None):
     """make_args' batch (rows [4, 1, 3], lengths [9, 5, 0], drafts [3, 0, 5]): request 0 continues
-    a half-filled page, the others pop pages."""
+    a half-filled page, the others pop pages; after `spoil`."""
     args = make_args(page_size=page_size)
+    if spoil is not None:
+        spoil(args)
     res = {}
     for who in ("reference", "kernel"):
         a = _copy(args)
@@ -186,7 +217,8 @@ def run_alloc(ops, page_size=4):
 def run_commit(ops, page_size, spoil=None, paths=None, fill=None, shares=1):
     """make_args' commit (paths [0, 2], [], [1, 3, 4]) or `paths`, after `spoil`; with page size > 1
     the KV rows move through the launch-wide hand-off with `shares` blocks per request and the
-    scratch filled with `fill` (words of another call), which must be zeroed afterwards."""
+    scratch [generation, election, verdict, finished] filled with `fill` (default zeros), which
+    must be [next generation, 0, 0, 0] afterwards."""
     args = make_args(page_size=page_size, after_alloc=True)
     if paths is not None:
         width = max(len(p) for p in paths)
@@ -204,20 +236,22 @@ def run_commit(ops, page_size, spoil=None, paths=None, fill=None, shares=1):
         if who == "reference":
             reference.commit_draft_slots(*common, a["kv_buffers"], a["out"], a["status"])
         elif page_size == 1:
-            ops.commit_draft_slots(*common, None, 0, 1, 1, None, 0, a["out"], a["status"])
+            ops.commit_draft_slots(*common, None, 0, 1, 1, None, a["out"], a["status"])
         else:
             table = kv_table(a["kv_buffers"])
-            scratch, tag = move_sync("cpu")
-            scratch.copy_(torch.tensor([w(tag) if callable(w) else w for w in fill or [0, 0, 0]], dtype=torch.int64))
-            ops.commit_draft_slots(*common, table.table, table.num_rows, table.unit_bytes, shares, scratch, tag,
+            fill = fill or [0, 0, 0, 0]
+            scratch = torch.tensor(fill, dtype=torch.int64)
+            ops.commit_draft_slots(*common, table.table, table.num_rows, table.unit_bytes, shares, scratch,
                                    a["out"], a["status"])
-            assert scratch.tolist() == [0, 0, 0], f"commit: scratch left {scratch.tolist()}"
+            want = [next_generation(fill[0]), 0, 0, 0]
+            assert scratch.tolist() == want, f"commit: scratch left {scratch.tolist()}, not {want}"
         res[who] = a
     _compare("commit", res["reference"], res["kernel"])
 
 
-def _old(value):
-    return lambda tag: ((tag - 1) << 25) | value
+# The previous generation's words (its verdict "accepted") and a count above the grid: nothing of it
+# may pass for this launch's.
+STALE = [5, tag_word(4), tag_word(4, reference.STATUS_OK), 9]
 
 
 # name: what it runs (each small; the page-size-4 ones are one launch of 3 x shares blocks)
@@ -227,26 +261,42 @@ CASES = {
     # request 0 (length 9) keeps drafts 1 and 2: rows 10 -> 9 then 11 -> 10 (the order matters);
     # request 2 (length 0) keeps none: both its pages go back, in position order, onto the stack
     # entries they were popped from in the other order (the first page freed matters); rows move
-    # in 3 requests x 2 blocks, after words of an older call in the scratch
-    "commit_moves": lambda ops: run_commit(ops, 4, paths=[[1, 2], [], []],
-                                           fill=[_old(5), _old(3), _old(9)], shares=2),
+    # in 3 requests x 2 blocks, after the previous generation's words in the scratch
+    "commit_moves": lambda ops: run_commit(ops, 4, paths=[[1, 2], [], []], fill=STALE, shares=2),
+    # a fresh (zeroed) scratch, and one at the last generation (the next is 0)
+    "commit_moves_fresh": lambda ops: run_commit(ops, 4, paths=[[1, 2], [], [0]]),
+    "commit_moves_last_generation": lambda ops: run_commit(
+        ops, 4, paths=[[1, 2], [], [0]], fill=[GENERATIONS - 1, tag_word(GENERATIONS - 2), 0, 0]),
     # request 0 accepts 4 > its 3 drafts: refused as a whole, while request 2's rows could move
     "commit_refused_moves": lambda ops: run_commit(ops, 4, spoil=lambda a: a["accept_len"].__setitem__(0, 4)),
     "commit_draft_page_free": lambda ops: run_commit(ops, 1, spoil=_draft_page_free),
+    # request 2's second page is row 1's (page_state): the commit would free or keep another's page
+    "commit_draft_page_foreign": lambda ops: run_commit(ops, 4, spoil=_draft_page_foreign),
+    # request 0's half-filled last page is row 1's: its drafts would land on another's page
+    "alloc_last_page_foreign": lambda ops: run_alloc(ops, spoil=_last_page_foreign),
     "commit_slot_twice": lambda ops: run_commit(ops, 1, spoil=_draft_slot_twice),
 }
 
 
-def _caught(name, what, expect, run):
+def _lines_of(text, signature):
+    """The source lines (1-based) of the function whose definition starts with `signature`."""
+    lines = text.splitlines()
+    start = next(i for i, line in enumerate(lines) if line.startswith(signature))
+    end = next(i for i in range(start, len(lines)) if lines[i] == "}")
+    return range(start + 1, end + 2)
+
+
+def _caught(name, what, expect, run, source):
     with pytest.raises((AssertionError, SimError)) as info:
         run()
     err = info.value
     first = (str(err).strip().splitlines() or [""])[0][:200]
     got = type(err).__name__ if isinstance(err, SimError) else "AssertionError"
     print(f"{name} ({what}) caught by {got}: {first}")
-    if expect == DEADLOCK:  # every block of the launch polls for the verdict (nanosleep back-off)
-        assert isinstance(err, Deadlock) and "nanosleep" in str(err), \
-            f"{name}: expected a Deadlock of blocks polling for the verdict, got {got}: {str(err)[:400]}"
+    if expect == DEADLOCK:  # every block of the launch polls for the verdict
+        polling = any(f"kv_slots.cu:{n}:" in str(err) for n in _lines_of(source, "__device__ int wait_for_verdict("))
+        assert isinstance(err, Deadlock) and polling, \
+            f"{name}: expected a Deadlock of blocks polling for the verdict, got {got}: {str(err)[:600]}"
     else:
         assert expect in first, f"{name}: expected to be caught by {expect!r}, got {got}: {first}"
 
@@ -259,5 +309,6 @@ def test_unmutated_case_passes(case):
 @pytest.mark.parametrize("name", sorted(MUTANTS))
 def test_mutant_is_caught(name):
     what, old, new, case, expect = MUTANTS[name]
-    ops = Ops(patched={KV: patched(old, new)})
-    _caught(name, what, expect, lambda: CASES[case](ops))
+    source = patched(old, new)
+    ops = Ops(patched={KV: source})
+    _caught(name, what, expect, lambda: CASES[case](ops), source)

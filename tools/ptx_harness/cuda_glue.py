@@ -262,7 +262,7 @@ class PtxCudaOps:
 
     def commit_draft_slots(self, req_to_token, req_pool_indices, seq_lens, num_draft, accept_index, accept_len,
                            free_pages, num_free, page_state, page_size, max_draft, kv_table, kv_rows, kv_unit_bytes,
-                           kv_blocks_per_request, move_sync, move_tag, new_seq_lens, status):
+                           kv_blocks_per_request, move_sync, new_seq_lens, status):
         m = self._machine()
         buf = _Buffers(m)
         batch = _kv_slot_batch(buf, req_to_token, req_pool_indices, seq_lens, num_draft, free_pages, num_free,
@@ -285,11 +285,8 @@ class PtxCudaOps:
             args.kv_blocks_per_request = kv_blocks_per_request
         if kv_table is not None and page_size > 1 and B > 0:
             if move_sync is None or move_sync.numel() != KV_MOVE_SYNC_WORDS or move_sync.dtype != torch.int64:
-                raise ValueError("move_sync must be an int64 [3] when KV rows move")
-            if not 1 <= move_tag < (1 << _ops.compiled_constants()["kKvMoveTagBits"]):
-                raise ValueError(f"move_tag out of range: {move_tag}")
+                raise ValueError(f"move_sync must be an int64 [{KV_MOVE_SYNC_WORDS}] when KV rows move")
             args.move_sync = buf.ptr(move_sync)
-            args.move_tag = move_tag
         # launch_commit_draft_slots
         moves = page_size > 1 and kv_table is not None and B > 0
         pool_slots = free_pages.numel() * page_size

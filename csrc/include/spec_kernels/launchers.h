@@ -46,12 +46,14 @@ enum KvSlotStatus : int {
 };
 constexpr int kKvSlotsStatusLen = 5;
 
-// page_state values. kPageMark is seen only inside a launch: the bookkeeping claims the call's
-// pages with atomic exchanges to it (a page claimed twice reads kPageMark back) and gives every
-// claimed page its final state, or the one it had on a refusal, before the launch ends.
+// page_state values: a page's owner. kPageFree: on the stack; row + 1 (>= 1): held by request row
+// `row`; kPageShared: held by no single request (never popped, continued, committed or freed).
+// kPageMark is seen only inside a launch: the bookkeeping claims the call's pages with atomic
+// exchanges to it (a page claimed twice reads kPageMark back) and gives every claimed page its
+// final state, or the one it had on a refusal, before the launch ends. Negative: nobody's owner.
 constexpr int32_t kPageFree = 0;
-constexpr int32_t kPageHeld = 1;
-constexpr int32_t kPageMark = 2;
+constexpr int32_t kPageShared = -1;
+constexpr int32_t kPageMark = -2;
 
 // The batch and the allocator state, shared by alloc and commit.
 struct KvSlotBatch {
@@ -65,15 +67,16 @@ struct KvSlotBatch {
   int64_t* free_pages;  // [num_pages]: stack of free page ids; its length is the pool's page count
   int64_t num_pages;
   int64_t* num_free;  // [1]
-  int32_t* page_state;  // [num_pages]: kPageFree (on the stack) or kPageHeld
+  int32_t* page_state;  // [num_pages]: kPageFree (on the stack), owner row + 1, or kPageShared
   int log2_page_size;
   int max_draft;    // 1..kMaxDraftTokens
   int64_t* status;  // [kKvSlotsStatusLen]
 };
 
-// Positions seq_len .. seq_len + num_draft - 1 of every request get slots (its partial last page
-// first, then pages popped from the stack, which become held); out_cache_loc [out_capacity] gets
-// them in batch order, -1 beyond. One launch; validates everything before writing anything.
+// Positions seq_len .. seq_len + num_draft - 1 of every request get slots (first its partial last
+// page, which it must own, then pages popped from the stack, which it comes to own); out_cache_loc
+// [out_capacity] gets them in batch order, -1 beyond. One launch; validates everything before
+// writing anything.
 cudaError_t launch_alloc_draft_slots(const KvSlotBatch& batch, int64_t* out_cache_loc, int64_t out_capacity,
                                      cudaStream_t stream);
 
@@ -89,22 +92,23 @@ struct KvCommitArgs {
   int64_t num_kv_rows;  // rows (slots) of every KV buffer
   int kv_unit_bytes;    // 1, 2, 4, 8 or 16; divides every address, stride and row size
   int kv_blocks_per_request;
-  // When rows move: kKvMoveSyncWords scratch words (any initial contents; not shared with a
-  // concurrent launch) for the launch-wide hand-off of the verdict to the KV-move blocks, and a
-  // tag in [1, 2^kKvMoveTagBits) new for every call (see kv_slots.cu).
+  // When rows move: the kKvMoveSyncWords scratch words of the launch-wide hand-off of the verdict
+  // to the KV-move blocks (see kv_slots.cu): zero when first used, then as the previous launch on
+  // it left them; never shared with a launch that may run at the same time.
   uint64_t* move_sync;
-  uint64_t move_tag;
 };
-// A scratch word is (tag << kKvMoveTagShift) | value, below 2^63 (a non-negative int64 for the
-// Triton kernel too).
-constexpr int kKvMoveSyncWords = 3;
-constexpr int kKvMoveTagShift = 25;
-constexpr int kKvMoveTagBits = 63 - kKvMoveTagShift;
+// The scratch: [generation, election, verdict, blocks finished]. An election or verdict word is
+// (tag << kKvMoveTagShift) | value with tag = generation + 1, below 2^63 (a non-negative int64
+// for the Triton kernel too); generations run 0 .. kKvMoveGenerations - 1, then 0 again.
+constexpr int kKvMoveSyncWords = 4;
+constexpr int kKvMoveTagShift = 8;
+constexpr int64_t kKvMoveGenerations = (int64_t{1} << (63 - kKvMoveTagShift)) - 1;
 // Largest commit grid when rows move (num_requests x kv_blocks_per_request blocks).
-constexpr int64_t kKvMoveMaxBlocks = (int64_t{1} << (kKvMoveTagShift - 1)) - 1;
+constexpr int64_t kKvMoveMaxBlocks = (int64_t{1} << 24) - 1;
 
 // Keeps each request's accepted path (page_size 1: remaps req_to_token; > 1: moves KV rows)
-// and pushes every other draft slot / wholly freed page (which become free). One launch.
+// and pushes every other draft slot / wholly freed page (which become free; kept pages stay the
+// request's). Refuses drafts on pages the request does not own. One launch.
 cudaError_t launch_commit_draft_slots(const KvSlotBatch& batch, const KvCommitArgs& args, cudaStream_t stream);
 
 }  // namespace spec_kernels
