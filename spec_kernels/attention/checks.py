@@ -1,11 +1,14 @@
 """Argument checks both attention families run (tree verify and MLA): the output buffer, the
-value checks of kv_indptr / kv_indices / qo_indptr / tree_mask, and the softmax scale."""
+value checks of kv_indptr / kv_indices / qo_indptr / tree_mask, the softmax scale and the fp8 KV
+cache scales."""
 from __future__ import annotations
 
 import math
 from typing import Optional
 
 import torch
+
+from dataclasses import dataclass
 
 from .._checks import (
     check_index_range,
@@ -14,6 +17,7 @@ from .._checks import (
     check_shape,
     check_tensor,
     check_tree_mask_values,
+    values_checkable,
 )
 from .._limits import MAX_DRAFT_TOKENS
 from .plan import MAX_KV_SPLITS
@@ -78,3 +82,92 @@ def softmax_scale(sm_scale: Optional[float], head_dim: int) -> float:
     if not math.isfinite(sm_scale):
         raise ValueError(f"sm_scale must be finite, got {sm_scale}")
     return sm_scale
+
+
+# KV cache dtypes stored as 8-bit floats with a per-layer scale (the value is fp8 * scale).
+KV_FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
+# Query / output dtypes an fp8 cache is read with (the fp8 values convert exactly to either).
+FP8_QUERY_DTYPES = (torch.float16, torch.bfloat16)
+
+
+@dataclass(frozen=True)
+class KvScales:
+    """The dequantisation scales of a call: K and V values are cache value * scale. A scale is a
+    host float (``k`` / ``v``), or a 1-element fp32 tensor on the cache's device (``k_tensor`` /
+    ``v_tensor``, then ``k`` / ``v`` are 1.0 and unused) that the kernels read on the device, so
+    a CUDA graph replay uses its current value. A bf16/fp16/fp32 cache has no scales (1.0)."""
+
+    k: float = 1.0
+    v: float = 1.0
+    k_tensor: Optional[torch.Tensor] = None
+    v_tensor: Optional[torch.Tensor] = None
+
+    def values(self) -> tuple[float, float]:
+        """Both scales as floats (reads tensors: a host sync on CUDA; the reference uses it)."""
+        k = float(self.k_tensor.reshape(()).item()) if self.k_tensor is not None else self.k
+        v = float(self.v_tensor.reshape(()).item()) if self.v_tensor is not None else self.v
+        return k, v
+
+
+NO_SCALES = KvScales()
+
+
+def _check_scale(scale, name: str, cache_name: str, device: torch.device):
+    """A host scale as a float, or a scale tensor as it is; refused with a message naming it."""
+    if isinstance(scale, torch.Tensor):
+        check_tensor(scale, name, dtypes=(torch.float32,), device=device, contiguous=False)
+        if scale.numel() != 1:
+            raise ValueError(f"{name} must hold one value (a per-layer scale), got shape {tuple(scale.shape)}")
+        if values_checkable(scale):
+            _check_scale(float(scale.reshape(()).item()), name, cache_name, device)
+        return scale
+    if isinstance(scale, bool) or not isinstance(scale, (int, float)):
+        raise TypeError(f"{name} must be a float or a 1-element float32 tensor, got {type(scale).__name__}")
+    scale = float(scale)
+    if not (math.isfinite(scale) and scale > 0):
+        raise ValueError(f"{name} must be finite and > 0 (the {cache_name} values are multiplied by it), got {scale}")
+    return scale
+
+
+def check_kv_scales(q: torch.Tensor, k_cache: torch.Tensor, v_cache: Optional[torch.Tensor], k_scale, v_scale,
+                    cache_names: tuple[str, str] = ("k_cache", "v_cache")) -> KvScales:
+    """The scales of a call whose cache dtypes passed check_kv_dtypes: required (and checked)
+    for an fp8 cache, refused for any other. v_cache None: one cache holds K and V (MLA's
+    latent cache), v_scale is its V columns' scale."""
+    k_name, v_name = cache_names
+    fp8 = k_cache.dtype in KV_FP8_DTYPES
+    for scale, name in ((k_scale, "k_scale"), (v_scale, "v_scale")):
+        if fp8 and scale is None:
+            raise ValueError(f"{name} is required: {k_name} is {str(k_cache.dtype).replace('torch.', '')} "
+                             f"(an fp8 KV cache holds value / scale)")
+        if not fp8 and scale is not None:
+            raise ValueError(f"{name} is given but {k_name} is {str(k_cache.dtype).replace('torch.', '')}: scales "
+                             f"only apply to fp8 KV caches ({', '.join(str(d).replace('torch.', '') for d in KV_FP8_DTYPES)})")
+    if not fp8:
+        return NO_SCALES
+    k = _check_scale(k_scale, "k_scale", k_name, k_cache.device)
+    v = _check_scale(v_scale, "v_scale", v_name if v_cache is not None else k_name, k_cache.device)
+    return KvScales(k=1.0 if isinstance(k, torch.Tensor) else k, v=1.0 if isinstance(v, torch.Tensor) else v,
+                    k_tensor=k if isinstance(k, torch.Tensor) else None,
+                    v_tensor=v if isinstance(v, torch.Tensor) else None)
+
+
+def kv_cache_dtypes(q_dtype: torch.dtype) -> tuple[torch.dtype, ...]:
+    """The cache dtypes q can be read with: its own, and fp8 for fp16 / bf16 queries."""
+    return (q_dtype, *KV_FP8_DTYPES) if q_dtype in FP8_QUERY_DTYPES else (q_dtype,)
+
+
+def check_kv_dtypes(q: torch.Tensor, k_cache: torch.Tensor, v_cache: Optional[torch.Tensor],
+                    cache_names: tuple[str, str] = ("k_cache", "v_cache")) -> None:
+    """k_cache is q's dtype, or fp8 (fp16 / bf16 q only); v_cache has k_cache's dtype."""
+    k_name, v_name = cache_names
+    if k_cache.dtype in KV_FP8_DTYPES and q.dtype not in FP8_QUERY_DTYPES:
+        raise ValueError(f"q must be float16 or bfloat16 to read an fp8 {k_name} "
+                        f"({str(k_cache.dtype).replace('torch.', '')}), got {str(q.dtype).replace('torch.', '')}")
+    if k_cache.dtype not in kv_cache_dtypes(q.dtype):
+        names = ", ".join(str(d).replace("torch.", "") for d in kv_cache_dtypes(q.dtype))
+        raise ValueError(f"{k_name} must have dtype {names} (q is {str(q.dtype).replace('torch.', '')}), "
+                        f"got {str(k_cache.dtype).replace('torch.', '')}")
+    if v_cache is not None and v_cache.dtype != k_cache.dtype:
+        raise ValueError(f"{v_name} must have dtype {str(k_cache.dtype).replace('torch.', '')} ({k_name}'s), got "
+                         f"{str(v_cache.dtype).replace('torch.', '')}")

@@ -43,8 +43,13 @@ def tree_verify_attention(
     out: torch.Tensor,
     lse: Optional[torch.Tensor],
     max_draft_tokens: int = 0,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
 ) -> None:
     """Tree-verify attention, one request at a time, in fp32.
+
+    K and V are the caches' values times k_scale / v_scale (fp8 caches: dequantised in fp32;
+    other caches have scale 1).
 
     Request b has n_b queries and L_b = kv_indptr[b+1] - kv_indptr[b] KV slots: P_b = L_b - n_b
     prefix slots every query sees, then its n_b draft slots, of which query i sees draft j iff
@@ -83,8 +88,8 @@ def tree_verify_attention(
         ok = (slots >= 0) & (slots < S)  # else a zero K / V row
         safe = torch.where(ok, slots, torch.zeros_like(slots))
         # KV heads repeated so that query head h reads KV head h // group.
-        k = torch.where(ok[:, None, None], k_cache[safe].float(), 0.0).repeat_interleave(group, dim=1)  # [L, Hq, D]
-        v = torch.where(ok[:, None, None], v_cache[safe].float(), 0.0).repeat_interleave(group, dim=1)  # [L, Hq, Dv]
+        k = torch.where(ok[:, None, None], k_cache[safe].float() * k_scale, 0.0).repeat_interleave(group, dim=1)
+        v = torch.where(ok[:, None, None], v_cache[safe].float() * v_scale, 0.0).repeat_interleave(group, dim=1)
         scores = torch.einsum("qhd,khd->hqk", q[q0:q0 + rows].float(), k) * sm_scale  # [Hq, rows, L]
 
         if qo_indptr is None:  # decode: the one query sees every slot, its own included

@@ -1,5 +1,6 @@
 """Triton pieces both attention kernels use: the mask-word bits of a draft, NaN for infinite logits,
-clamped indptr ranges, and the KV-split partial buffers with their fixed-order merge."""
+clamped indptr ranges, fp8 KV values in the interpreter, and the KV-split partial buffers with
+their fixed-order merge."""
 from __future__ import annotations
 
 from typing import Optional
@@ -24,6 +25,32 @@ def finite_or_nan(x):
     """A logit that is +-inf (inf in q or K) becomes NaN, so that -inf never reads as "masked"
     and the row's output and lse come out NaN."""
     return tl.where(tl.abs(x) == float("inf"), float("nan"), x)
+
+
+@triton.jit
+def fp8_bits_to_float(bits, E5M2: tl.constexpr):
+    """fp32 values of fp8 bit patterns held as uint8 (e4m3fn, or e5m2 with E5M2): how the kernels
+    read an fp8 cache under the interpreter, whose own fp8 conversion turns NaN codes into
+    numbers. On a GPU the kernels convert with the hardware instead (exactly the same values)."""
+    b = bits.to(tl.int32)
+    if E5M2:
+        e = (b >> 2) & 0x1F
+        m = (b & 3).to(tl.float32) * 0.25
+        v = tl.where(e == 0, m * 6.103515625e-05, (1.0 + m) * tl.math.exp2((e - 15).to(tl.float32)))
+        v = tl.where(e == 31, tl.where(m == 0.0, float("inf"), float("nan")), v)
+    else:
+        e = (b >> 3) & 0xF
+        m = (b & 7).to(tl.float32) * 0.125
+        v = tl.where(e == 0, m * 0.015625, (1.0 + m) * tl.math.exp2((e - 7).to(tl.float32)))
+        v = tl.where((e == 15) & ((b & 7) == 7), float("nan"), v)
+    return tl.where((b & 0x80) != 0, -v, v)
+
+
+def fp8_cache_view(cache: torch.Tensor, interpreting: bool) -> torch.Tensor:
+    """What a kernel gets for a cache: under the interpreter an fp8 cache's bytes (uint8, decoded
+    by fp8_bits_to_float), else the cache itself."""
+    return cache.view(torch.uint8) if interpreting and cache.dtype in (torch.float8_e4m3fn, torch.float8_e5m2) \
+        else cache
 
 
 @triton.jit

@@ -26,7 +26,11 @@ from .._limits import MAX_DRAFT_TOKENS
 from .._ops import cuda_ops, op_impls
 from ..attention.plan import SplitWorkspace
 from ..attention.checks import (
+    NO_SCALES,
+    KvScales,
     check_draft_values,
+    check_kv_dtypes,
+    check_kv_scales,
     check_kv_values,
     check_max_draft_tokens,
     check_num_kv_splits,
@@ -47,11 +51,20 @@ TREE_VERIFY.register("triton")(triton_kernel.tree_verify_attention)
 
 @TREE_VERIFY.register("reference")
 def _tree_verify_reference(q, k_cache, v_cache, kv_indptr, kv_indices, qo_indptr, tree_mask,
-                           sm_scale, out, lse, num_kv_splits=0, max_draft_tokens=0):
+                           sm_scale, out, lse, num_kv_splits=0, max_draft_tokens=0, scales=NO_SCALES):
     # The reference is exact and loops over requests: no splits, no launch sizing (the draft
     # bound only matters for unchecked input: drafts past it are left unwritten, as by the kernels).
+    k_scale, v_scale = scales.values()
     reference.tree_verify_attention(q, k_cache, v_cache, kv_indptr, kv_indices, qo_indptr,
-                                    tree_mask, sm_scale, out, lse, max_draft_tokens)
+                                    tree_mask, sm_scale, out, lse, max_draft_tokens, k_scale, v_scale)
+
+
+def _scales_kwargs(k_scale, v_scale, k_scale_tensor, v_scale_tensor) -> dict:
+    """The implementations' `scales` argument from the custom ops' four scale arguments (none for
+    a cache without scales, so that every implementation keeps its plain signature there)."""
+    if k_scale_tensor is None and v_scale_tensor is None and k_scale == 1.0 and v_scale == 1.0:
+        return {}
+    return {"scales": KvScales(k_scale, v_scale, k_scale_tensor, v_scale_tensor)}
 
 
 @TREE_MASK.register("cuda")
@@ -78,15 +91,19 @@ def _tree_verify_op(
     impl: str,
     num_kv_splits: int,
     max_draft_tokens: int,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
+    k_scale_tensor: Optional[torch.Tensor] = None,
+    v_scale_tensor: Optional[torch.Tensor] = None,
 ) -> None:
     _, fn = TREE_VERIFY.select(q.device, impl or None, args=(q, k_cache, v_cache))
     fn(q, k_cache, v_cache, kv_indptr, kv_indices, qo_indptr, tree_mask, sm_scale, out, lse, num_kv_splits,
-       max_draft_tokens)
+       max_draft_tokens, **_scales_kwargs(k_scale, v_scale, k_scale_tensor, v_scale_tensor))
 
 
 @_tree_verify_op.register_fake
 def _(q, k_cache, v_cache, kv_indptr, kv_indices, qo_indptr, tree_mask, sm_scale, out, lse, impl, num_kv_splits,
-      max_draft_tokens):
+      max_draft_tokens, k_scale=1.0, v_scale=1.0, k_scale_tensor=None, v_scale_tensor=None):
     return None
 
 
@@ -109,21 +126,27 @@ def _tree_verify_run_op(
     num_kv_splits: int,
     min_chunk: int,
     max_draft_tokens: int,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
+    k_scale_tensor: Optional[torch.Tensor] = None,
+    v_scale_tensor: Optional[torch.Tensor] = None,
 ) -> None:
     """The planned launch (spec_kernels.tree_verify.plan.TreeVerifyPlan.run): the implementation,
     the splits, their minimum share and the split buffers come from the plan."""
     fn = TREE_VERIFY.impls[impl]
+    scales = _scales_kwargs(k_scale, v_scale, k_scale_tensor, v_scale_tensor)
     if impl == "reference":
         fn(q, k_cache, v_cache, kv_indptr, kv_indices, qo_indptr, tree_mask, sm_scale, out, lse, num_kv_splits,
-           max_draft_tokens)
+           max_draft_tokens, **scales)
         return
     fn(q, k_cache, v_cache, kv_indptr, kv_indices, qo_indptr, tree_mask, sm_scale, out, lse, num_kv_splits,
-       max_draft_tokens, workspace=SplitWorkspace(num_kv_splits, min_chunk, o_partial, lse_partial))
+       max_draft_tokens, workspace=SplitWorkspace(num_kv_splits, min_chunk, o_partial, lse_partial), **scales)
 
 
 @_tree_verify_run_op.register_fake
 def _(q, k_cache, v_cache, kv_indptr, kv_indices, qo_indptr, tree_mask, sm_scale, out, lse, o_partial, lse_partial,
-      impl, num_kv_splits, min_chunk, max_draft_tokens):
+      impl, num_kv_splits, min_chunk, max_draft_tokens, k_scale=1.0, v_scale=1.0, k_scale_tensor=None,
+      v_scale_tensor=None):
     return None
 
 
@@ -145,8 +168,9 @@ def _check_kv(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, kv_
     dev, like = common_device([("q", q), ("k_cache", k_cache), ("v_cache", v_cache), ("kv_indptr", kv_indptr),
                                ("kv_indices", kv_indices), *others])
     check_tensor(q, "q", dim=3, dtypes=FLOAT_DTYPES, device=dev, like=like)
-    check_tensor(k_cache, "k_cache", dim=3, dtypes=(q.dtype,), device=dev, like=like)
-    check_tensor(v_cache, "v_cache", dim=3, dtypes=(q.dtype,), device=dev, like=like)
+    check_tensor(k_cache, "k_cache", dim=3, device=dev, like=like)
+    check_tensor(v_cache, "v_cache", dim=3, device=dev, like=like)
+    check_kv_dtypes(q, k_cache, v_cache)
     check_tensor(kv_indptr, "kv_indptr", dim=1, dtypes=(torch.int32,), device=dev, like=like)
     check_tensor(kv_indices, "kv_indices", dim=1, dtypes=INDEX_DTYPES, device=dev, like=like)
     _, Hq, D = q.shape
@@ -181,6 +205,8 @@ def tree_verify_attention(
     impl: Optional[str] = None,
     num_kv_splits: Optional[int] = None,
     max_draft_tokens: Optional[int] = None,
+    k_scale: Optional[Union[float, torch.Tensor]] = None,
+    v_scale: Optional[Union[float, torch.Tensor]] = None,
 ) -> Union[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
     """Attention of a batch of draft-token trees over a paged (token-slot) KV cache.
 
@@ -193,8 +219,9 @@ def tree_verify_attention(
 
     Args:
         q: [T, Hq, D] fp16/bf16/fp32, T = qo_indptr[-1]. D in {64, 128, 256}.
-        k_cache: [S, Hkv, D], same dtype as q; Hq must be a multiple of Hkv (MHA, GQA, MQA).
-        v_cache: [S, Hkv, Dv], Dv in {64, 128, 256}.
+        k_cache: [S, Hkv, D], q's dtype, or an fp8 cache (float8_e4m3fn / float8_e5m2, q fp16 or
+            bf16) holding K / k_scale; Hq must be a multiple of Hkv (MHA, GQA, MQA).
+        v_cache: [S, Hkv, Dv], Dv in {64, 128, 256}, k_cache's dtype.
         kv_indptr: int32 [B+1], non-decreasing, kv_indptr[0] >= 0 (an offset: kv_indices may be a
             window of a larger buffer), kv_indptr[-1] <= len(kv_indices), and at least n_b slots
             per request. kv_indices: int32 or int64 slot ids in [0, S).
@@ -211,10 +238,20 @@ def tree_verify_attention(
             count; it only sizes the launch (default min(T, 64)). A request with more drafts
             than this bound is a contract violation: checked on CPU / in debug mode, and its
             extra rows otherwise get unspecified values.
+        k_scale, v_scale: an fp8 cache's per-layer scales (required then, refused otherwise): K =
+            k_cache * k_scale, V = v_cache * v_scale. A Python float (finite, > 0), or a
+            1-element fp32 tensor on the cache's device, read by the kernel on the device (a CUDA
+            graph replay uses its current value; its value is checked on CPU / in debug mode).
 
     Returns:
         o [T, Hq, Dv] in q's dtype (softmax and accumulation in fp32), or (o, lse).
         A query that sees no key (empty prefix and an empty mask row) gets zeros and lse = -inf.
+
+    fp8 caches: the fp8 values are converted exactly to q's dtype (every e4m3fn / e5m2 value is
+    an fp16 and a bf16 value) and feed the same dots as a cache of q's dtype; k_scale multiplies
+    the logits and v_scale the output, in fp32. So the error against a float64 computation on
+    the dequantised values is that of the fp16 / bf16 path. An e4m3fn NaN byte (0x7f / 0xff) in
+    a K row a query sees makes that row NaN, an e5m2 inf or NaN likewise, as below.
 
     Non-finite inputs (the same in every implementation, as in torch SDPA and FlashInfer):
         * NaN or +-inf in a query row, or in the K row of a slot it sees, makes that row's
@@ -249,10 +286,11 @@ def tree_verify_attention(
     check_tensor(tree_mask, "tree_mask", dim=1, dtypes=(torch.int64,), device=dev, like=like)
     check_shape(tree_mask, "tree_mask", (T,), "one word per query row of q")
     check_max_draft_tokens(max_draft_tokens)
+    scales = check_kv_scales(q, k_cache, v_cache, k_scale, v_scale)
     if values_checkable(kv_indptr, qo_indptr, kv_indices, tree_mask):
         check_draft_values(qo_indptr, kv_indptr, kv_indices, tree_mask, T, k_cache.shape[0], max_draft_tokens)
     return _run(q, k_cache, v_cache, kv_indptr, kv_indices, qo_indptr, tree_mask, sm_scale, return_lse,
-                out, impl, num_kv_splits, max_draft_tokens)
+                out, impl, num_kv_splits, max_draft_tokens, scales)
 
 
 def decode_attention(
@@ -266,6 +304,8 @@ def decode_attention(
     out: Optional[torch.Tensor] = None,
     impl: Optional[str] = None,
     num_kv_splits: Optional[int] = None,
+    k_scale: Optional[Union[float, torch.Tensor]] = None,
+    v_scale: Optional[Union[float, torch.Tensor]] = None,
 ) -> Union[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
     """Plain decode attention: one query per request over all of its KV slots.
 
@@ -279,20 +319,22 @@ def decode_attention(
     B = kv_indptr.numel() - 1
     if q.shape[0] != B:
         raise ValueError(f"q must have one row per request: q.shape[0]={q.shape[0]} but kv_indptr has B={B}")
+    scales = check_kv_scales(q, k_cache, v_cache, k_scale, v_scale)
     if values_checkable(kv_indptr, kv_indices):
         check_kv_values(kv_indptr, kv_indices, k_cache.shape[0], [0] * B)
     return _run(q, k_cache, v_cache, kv_indptr, kv_indices, None, None, sm_scale, return_lse,
-                out, impl, num_kv_splits, 1)
+                out, impl, num_kv_splits, 1, scales)
 
 
 def _run(q, k_cache, v_cache, kv_indptr, kv_indices, qo_indptr, tree_mask, sm_scale, return_lse,
-         out, impl, num_kv_splits, max_draft_tokens):
+         out, impl, num_kv_splits, max_draft_tokens, scales: KvScales = NO_SCALES):
     check_num_kv_splits(num_kv_splits)
     out = check_out(out, q, v_cache.shape[2])
     lse = q.new_empty(q.shape[:2], dtype=torch.float32) if return_lse else None
     torch.ops.spec_kernels.tree_verify_attention(
         q, k_cache, v_cache, kv_indptr, kv_indices, qo_indptr, tree_mask,
         softmax_scale(sm_scale, q.shape[2]), out, lse, impl or "", int(num_kv_splits or 0), int(max_draft_tokens or 0),
+        scales.k, scales.v, scales.k_tensor, scales.v_tensor,
     )
     return (out, lse) if return_lse else out
 

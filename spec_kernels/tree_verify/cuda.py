@@ -43,6 +43,8 @@ def supports(q, k_cache, v_cache, *_) -> Optional[str]:
     """None when the CUDA kernel handles these inputs, else why not (then Triton runs)."""
     if q.dtype not in (torch.float16, torch.bfloat16):
         return f"the CUDA kernel takes float16/bfloat16 (tensor cores), got {q.dtype}"
+    if k_cache.dtype != q.dtype:
+        return f"the CUDA kernel has no instance for a {k_cache.dtype} KV cache yet (Triton reads fp8 caches)"
     if not any(c.kernel == KERNEL and c.head_dim == q.shape[2] for c in kernel_configs()):
         return f"the CUDA kernel has no configuration for head dim {q.shape[2]}"
     if v_cache.shape[2] != q.shape[2]:

@@ -28,13 +28,16 @@ from .._autotune import LazyAutotune
 from ..attention.plan import KernelResources, SplitWorkspace, expected_rows, mean_prefix, triton_resources
 from ..attention.plan import max_rows as plan_max_rows
 from ..attention.plan import num_kv_splits as plan_splits
-from ..attention.triton_common import LOG2E, draft_bits, finite_or_nan, indptr_range, merge_splits, split_destinations
+from ..attention.checks import NO_SCALES, KvScales
+from ..attention.triton_common import (LOG2E, draft_bits, finite_or_nan, fp8_bits_to_float, fp8_cache_view,
+                                       indptr_range, merge_splits, split_destinations)
 
 @triton.jit
 def _tree_verify_fwd_kernel(
     Q, K, V, KV_INDPTR, KV_INDICES, QO_INDPTR, TREE_MASK,
     O, LSE,  # final outputs (one split) or partial outputs [splits, T, Hq, DV] / [splits, T, Hq]
     qk_scale,  # sm_scale * log2(e): the softmax runs in base 2
+    k_scale, v_scale, K_SCALE, V_SCALE,  # fp8 caches: host scales, or 1-element fp32 tensors (*_SCALE_TENSOR)
     stride_qt, stride_qh, stride_ks, stride_kh, stride_vs, stride_vh,
     stride_ot, stride_oh, stride_os, stride_lt, stride_ls,
     num_kv_heads, max_rows, num_splits,
@@ -47,12 +50,25 @@ def _tree_verify_fwd_kernel(
     PARTIAL: tl.constexpr,  # write normalised partials + base-2 lse for the combine kernel
     COMPUTE_F32: tl.constexpr,  # upcast loads (interpreter, fp32 inputs)
     IEEE_DOT: tl.constexpr,  # fp32 inputs: exact fp32 dot instead of tf32
+    FP8_KV: tl.constexpr,  # K / V hold fp8 values (value * scale); converted exactly to q's type
+    FP8_BITS: tl.constexpr,  # ... passed as their bytes (interpreter: fp8_bits_to_float)
+    E5M2: tl.constexpr,  # ... e5m2 rather than e4m3fn
+    K_SCALE_TENSOR: tl.constexpr,  # k_scale is read from K_SCALE
+    V_SCALE_TENSOR: tl.constexpr,  # v_scale is read from V_SCALE
     MIN_CHUNK: tl.constexpr,  # smallest prefix share of a split (a multiple of BLOCK_N, or 0)
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
 ):
     pid = tl.program_id(0)
     split = tl.program_id(1)
+    # fp8: K's scale folds into the logits' scale, V's into the output (both exact in fp32 apart
+    # from that one product), so the converted fp8 values feed the dots unchanged.
+    if K_SCALE_TENSOR:
+        qk_scale = qk_scale * tl.load(K_SCALE)
+    else:
+        qk_scale = qk_scale * k_scale
+    if V_SCALE_TENSOR:
+        v_scale = tl.load(V_SCALE)
     num_m_blocks = tl.cdiv(max_rows, BLOCK_M)
     m_block = pid % num_m_blocks
     kv_head = (pid // num_m_blocks) % num_kv_heads
@@ -102,9 +118,15 @@ def _tree_verify_fwd_kernel(
             slot_ok = key_ok & (slot >= 0) & (slot < num_slots)  # a bad slot id reads as a zero row
             k = tl.load(k_base + slot[None, :] * stride_ks + offs_d[:, None], mask=slot_ok[None, :], other=0.0)
             v = tl.load(v_base + slot[:, None] * stride_vs + offs_dv[None, :], mask=slot_ok[:, None], other=0.0)
-            if COMPUTE_F32:
+            if FP8_BITS:
+                k = fp8_bits_to_float(k, E5M2)
+                v = fp8_bits_to_float(v, E5M2)
+            elif COMPUTE_F32:
                 k = k.to(tl.float32)
                 v = v.to(tl.float32)
+            elif FP8_KV:
+                k = k.to(Q.dtype.element_ty)
+                v = v.to(Q.dtype.element_ty)
             if IEEE_DOT:
                 s = tl.dot(q, k, input_precision="ieee")
             else:
@@ -135,9 +157,15 @@ def _tree_verify_fwd_kernel(
                 slot_ok = key_ok & (slot >= 0) & (slot < num_slots)  # a bad slot id reads as a zero row
                 k = tl.load(k_base + slot[None, :] * stride_ks + offs_d[:, None], mask=slot_ok[None, :], other=0.0)
                 v = tl.load(v_base + slot[:, None] * stride_vs + offs_dv[None, :], mask=slot_ok[:, None], other=0.0)
-                if COMPUTE_F32:
+                if FP8_BITS:
+                    k = fp8_bits_to_float(k, E5M2)
+                    v = fp8_bits_to_float(v, E5M2)
+                elif COMPUTE_F32:
                     k = k.to(tl.float32)
                     v = v.to(tl.float32)
+                elif FP8_KV:
+                    k = k.to(Q.dtype.element_ty)
+                    v = v.to(Q.dtype.element_ty)
                 if IEEE_DOT:
                     s = tl.dot(q, k, input_precision="ieee")
                 else:
@@ -158,6 +186,8 @@ def _tree_verify_fwd_kernel(
 
         # ---- epilogue: rows that saw no key get zeros and lse = -inf; a NaN l (a NaN logit) is seen
         seen = l_i != 0.0
+        if FP8_KV:
+            acc = acc * v_scale
         o = tl.where(seen[:, None], acc / tl.where(seen, l_i, 1.0)[:, None], 0.0)
         lse2 = tl.where(seen, m_i + tl.math.log2(tl.where(seen, l_i, 1.0)), float("-inf"))
         o_ptrs = O + token[:, None] * stride_ot + head[:, None] * stride_oh + offs_dv[None, :]
@@ -278,11 +308,13 @@ def tree_verify_attention(
     block_m: Optional[int] = None,
     block_n: Optional[int] = None,
     workspace=None,
+    scales: KvScales = NO_SCALES,
 ) -> None:
     """Launch the Triton kernel(s). Arguments as in spec_kernels.tree_verify_attention (already
     checked); num_kv_splits=0 picks from the device, max_draft_tokens=0 assumes up to 64 drafts;
     block_m/block_n override the tile (tests); a planned SplitWorkspace gives the splits, their
-    minimum share and the partial buffers (without one it is planned here, as a plan would)."""
+    minimum share and the partial buffers (without one it is planned here, as a plan would);
+    scales: an fp8 cache's (attention.checks.KvScales)."""
     T, Hq, D = q.shape
     Hkv, Dv = k_cache.shape[1], v_cache.shape[2]
     B = kv_indptr.numel() - 1
@@ -300,6 +332,8 @@ def tree_verify_attention(
     splits, min_chunk = workspace.splits, workspace.min_chunk
     kernel, fixed = _kernel_for_launch()
     compute_f32 = triton_interpreting() or q.dtype == torch.float32
+    fp8 = k_cache.dtype in (torch.float8_e4m3fn, torch.float8_e5m2)
+    k_arg, v_arg = fp8_cache_view(k_cache, triton_interpreting()), fp8_cache_view(v_cache, triton_interpreting())
     # A placeholder for absent optional pointers (never dereferenced: constexpr branches).
     qo_ptr = qo_indptr if qo_indptr is not None else kv_indptr
     mask_ptr = tree_mask if tree_mask is not None else kv_indptr
@@ -308,8 +342,10 @@ def tree_verify_attention(
     o_dst, lse_dst, strides_o, strides_l = split_destinations(out, lse, workspace)
 
     args = (
-        q, k_cache, v_cache, kv_indptr, kv_indices, qo_ptr, mask_ptr, o_dst, lse_dst,
+        q, k_arg, v_arg, kv_indptr, kv_indices, qo_ptr, mask_ptr, o_dst, lse_dst,
         sm_scale * LOG2E,
+        scales.k, scales.v, scales.k_tensor if scales.k_tensor is not None else kv_indptr,
+        scales.v_tensor if scales.v_tensor is not None else kv_indptr,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), v_cache.stride(0), v_cache.stride(1),
         *strides_o, *strides_l,
         Hkv, max_rows, splits,
@@ -318,6 +354,8 @@ def tree_verify_attention(
     meta = dict(
         GROUP=group, D=D, DV=Dv, IS_DECODE=is_decode, WRITE_LSE=lse is not None, PARTIAL=partial,
         COMPUTE_F32=compute_f32, IEEE_DOT=ieee,
+        FP8_KV=fp8, FP8_BITS=fp8 and triton_interpreting(), E5M2=k_cache.dtype == torch.float8_e5m2,
+        K_SCALE_TENSOR=scales.k_tensor is not None, V_SCALE_TENSOR=scales.v_tensor is not None,
         MIN_CHUNK=min_chunk,
         BLOCK_M=block_m,
     )
