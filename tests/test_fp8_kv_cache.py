@@ -220,6 +220,65 @@ def test_bad_fp8_arguments_are_refused_naming_them(what, mutate, match):
             spec_kernels.decode_attention(kw.pop("q", case.q)[:2], k, v, case.kv_indptr, case.kv_indices, **kw)
 
 
+# --------------------------------------------------------------------------- MLA (one latent cache: K = row, V = its latent part)
+def mla_case(ns, prefixes, heads=8, d=576, seed=0):
+    case = make_case(ns, prefixes, hq=heads, hkv=1, d=d, dtype=torch.bfloat16, seed=seed)
+    return case, case.k_cache[:, 0].contiguous()
+
+
+def _mla(case, kv, **kw):
+    return spec_kernels.mla_tree_verify_attention(case.q, kv, case.kv_indptr, case.kv_indices, case.qo_indptr,
+                                                  case.tree_mask, **kw)
+
+
+@pytest.mark.parametrize("fp8", FP8, ids=FP8_IDS)
+@pytest.mark.parametrize("ns,prefixes", [([3, 0, 5], [6, 2, 30]), ([1], [0])])
+@pytest.mark.parametrize("splits", [None, 2])
+def test_mla_triton_matches_reference_and_float64(fp8, ns, prefixes, splits):
+    case, kv = mla_case(ns, prefixes, seed=len(ns))
+    kv8 = (kv.float() / 0.3).to(fp8)
+    got, got_lse = _mla(case, kv8, impl="triton", num_kv_splits=splits, return_lse=True, k_scale=0.3,
+                        v_scale=torch.tensor([0.3]))
+    ref, ref_lse = _mla(case, kv8, impl="reference", return_lse=True, k_scale=0.3, v_scale=0.3)
+    torch.testing.assert_close(got.float(), ref.float(), **HALF_TOL)
+    torch.testing.assert_close(got_lse, ref_lse, atol=1e-4, rtol=1e-4)
+    deq = dataclasses.replace(case, k_cache=kv8.double()[:, None] * 0.3, v_cache=kv8.double()[:, None, :512] * 0.3)
+    want, _ = naive_attention(deq)
+    torch.testing.assert_close(got.double(), want, **HALF_TOL)
+
+
+@pytest.mark.parametrize("fp8", FP8, ids=FP8_IDS)
+def test_mla_power_of_two_scales_give_the_bf16_paths_bits(fp8):
+    case, kv = mla_case([2, 4], [9, 3], heads=4, d=288, seed=6)  # 256 latent + 32 rope
+    kv8 = (kv.float() / 0.5).to(fp8)
+    kv16 = (kv8.float() * 0.5).to(torch.bfloat16)
+    for impl in ("reference", "triton"):
+        kw = dict(impl=impl, v_head_dim=256, return_lse=True)
+        got, got_lse = _mla(case, kv8, k_scale=0.5, v_scale=0.5, **kw)
+        want, want_lse = _mla(case, kv16, **kw)
+        assert torch.equal(got.view(torch.int16), want.view(torch.int16)) and torch.equal(got_lse, want_lse), impl
+
+
+def test_mla_decode_plan_and_refusals():
+    case, kv = mla_case([1, 1, 1], [4, 0, 12], seed=3)
+    kv8 = (kv.float() / 0.25).to(torch.float8_e4m3fn)
+    got = spec_kernels.mla_decode_attention(case.q, kv8, case.kv_indptr, case.kv_indices, impl="triton",
+                                            k_scale=0.25, v_scale=0.25)
+    ref = spec_kernels.mla_decode_attention(case.q, kv8, case.kv_indptr, case.kv_indices, impl="reference",
+                                            k_scale=0.25, v_scale=0.25)
+    torch.testing.assert_close(got.float(), ref.float(), **HALF_TOL)
+    plan = spec_kernels.mla.MlaPlan(case.kv_indptr, case.kv_indices, num_heads=8, kv_dtype=torch.float8_e4m3fn)
+    assert torch.equal(plan.run(case.q, kv8, k_scale=0.25, v_scale=0.25).view(torch.int16), got.view(torch.int16))
+    assert spec_kernels.mla.cuda.supports(case.q, kv8, 512) is not None
+    with pytest.raises(ValueError, match="k_scale is required: kv_cache is float8_e4m3fn"):
+        spec_kernels.mla_decode_attention(case.q, kv8, case.kv_indptr, case.kv_indices, v_scale=1.0)
+    with pytest.raises(ValueError, match="v_scale is given but kv_cache is bfloat16"):
+        spec_kernels.mla_decode_attention(case.q, kv, case.kv_indptr, case.kv_indices, v_scale=1.0)
+    with pytest.raises(ValueError, match="q must be float16 or bfloat16 to read an fp8 kv_cache"):
+        spec_kernels.mla_decode_attention(case.q.float(), kv8, case.kv_indptr, case.kv_indices, k_scale=1.0,
+                                          v_scale=1.0)
+
+
 # --------------------------------------------------------------------------- GPU
 @pytest.mark.gpu
 @pytest.mark.parametrize("fp8", FP8, ids=FP8_IDS)

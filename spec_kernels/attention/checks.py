@@ -112,6 +112,15 @@ class KvScales:
 NO_SCALES = KvScales()
 
 
+def scales_kwargs(k_scale: float, v_scale: float, k_scale_tensor: Optional[torch.Tensor],
+                  v_scale_tensor: Optional[torch.Tensor]) -> dict:
+    """The implementations' `scales` argument from a custom op's four scale arguments (none for a
+    cache without scales, so that every implementation keeps its plain signature there)."""
+    if k_scale_tensor is None and v_scale_tensor is None and k_scale == 1.0 and v_scale == 1.0:
+        return {}
+    return {"scales": KvScales(k_scale, v_scale, k_scale_tensor, v_scale_tensor)}
+
+
 def _check_scale(scale, name: str, cache_name: str, device: torch.device):
     """A host scale as a float, or a scale tensor as it is; refused with a message naming it."""
     if isinstance(scale, torch.Tensor):

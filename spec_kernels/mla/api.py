@@ -23,11 +23,16 @@ from .._checks import (
 from .._ops import op_impls
 from ..attention.plan import SplitWorkspace
 from ..attention.checks import (
+    NO_SCALES,
+    KvScales,
     check_draft_values,
+    check_kv_dtypes,
+    check_kv_scales,
     check_kv_values,
     check_max_draft_tokens,
     check_num_kv_splits,
     check_out,
+    scales_kwargs,
     softmax_scale,
 )
 from . import cuda as cuda_binding
@@ -44,10 +49,11 @@ MLA.register("triton")(triton_kernel.mla_tree_verify_attention)
 
 @MLA.register("reference")
 def _mla_reference(q, kv_cache, kv_indptr, kv_indices, qo_indptr, tree_mask, sm_scale, v_head_dim, out, lse,
-                   num_kv_splits=0, max_draft_tokens=0):
+                   num_kv_splits=0, max_draft_tokens=0, scales=NO_SCALES):
     # The reference is exact and loops over requests: no splits, no launch sizing.
+    k_scale, v_scale = scales.values()
     reference.mla_tree_verify_attention(q, kv_cache, kv_indptr, kv_indices, qo_indptr, tree_mask, sm_scale,
-                                        v_head_dim, out, lse, max_draft_tokens)
+                                        v_head_dim, out, lse, max_draft_tokens, k_scale, v_scale)
 
 
 @torch.library.custom_op("spec_kernels::mla_tree_verify_attention", mutates_args=("out", "lse"))
@@ -65,15 +71,19 @@ def _mla_op(
     impl: str,
     num_kv_splits: int,
     max_draft_tokens: int,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
+    k_scale_tensor: Optional[torch.Tensor] = None,
+    v_scale_tensor: Optional[torch.Tensor] = None,
 ) -> None:
     _, fn = MLA.select(q.device, impl or None, args=(q, kv_cache, v_head_dim))
     fn(q, kv_cache, kv_indptr, kv_indices, qo_indptr, tree_mask, sm_scale, v_head_dim, out, lse, num_kv_splits,
-       max_draft_tokens)
+       max_draft_tokens, **scales_kwargs(k_scale, v_scale, k_scale_tensor, v_scale_tensor))
 
 
 @_mla_op.register_fake
 def _(q, kv_cache, kv_indptr, kv_indices, qo_indptr, tree_mask, sm_scale, v_head_dim, out, lse, impl, num_kv_splits,
-      max_draft_tokens):
+      max_draft_tokens, k_scale=1.0, v_scale=1.0, k_scale_tensor=None, v_scale_tensor=None):
     return None
 
 
@@ -96,21 +106,27 @@ def _mla_run_op(
     num_kv_splits: int,
     min_chunk: int,
     max_draft_tokens: int,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
+    k_scale_tensor: Optional[torch.Tensor] = None,
+    v_scale_tensor: Optional[torch.Tensor] = None,
 ) -> None:
     """The planned launch (spec_kernels.mla.plan.MlaPlan.run): implementation, splits, their
     minimum share and the split buffers come from the plan."""
     fn = MLA.impls[impl]
     args = (q, kv_cache, kv_indptr, kv_indices, qo_indptr, tree_mask, sm_scale, v_head_dim, out, lse, num_kv_splits,
             max_draft_tokens)
+    scales = scales_kwargs(k_scale, v_scale, k_scale_tensor, v_scale_tensor)
     if impl == "reference":
-        fn(*args)
+        fn(*args, **scales)
     else:
-        fn(*args, workspace=SplitWorkspace(num_kv_splits, min_chunk, o_partial, lse_partial))
+        fn(*args, workspace=SplitWorkspace(num_kv_splits, min_chunk, o_partial, lse_partial), **scales)
 
 
 @_mla_run_op.register_fake
 def _(q, kv_cache, kv_indptr, kv_indices, qo_indptr, tree_mask, sm_scale, v_head_dim, out, lse, o_partial,
-      lse_partial, impl, num_kv_splits, min_chunk, max_draft_tokens):
+      lse_partial, impl, num_kv_splits, min_chunk, max_draft_tokens, k_scale=1.0, v_scale=1.0, k_scale_tensor=None,
+      v_scale_tensor=None):
     return None
 
 
@@ -121,7 +137,8 @@ def _check_inputs(q, kv_cache, kv_indptr, kv_indices, v_head_dim, others=()) -> 
     dev, like = common_device([("q", q), ("kv_cache", kv_cache), ("kv_indptr", kv_indptr),
                                ("kv_indices", kv_indices), *others])
     check_tensor(q, "q", dim=3, dtypes=FLOAT_DTYPES, device=dev, like=like)
-    check_tensor(kv_cache, "kv_cache", dtypes=(q.dtype,), device=dev, like=like)
+    check_tensor(kv_cache, "kv_cache", device=dev, like=like)
+    check_kv_dtypes(q, kv_cache, None, ("kv_cache", "kv_cache"))
     check_tensor(kv_indptr, "kv_indptr", dim=1, dtypes=(torch.int32,), device=dev, like=like)
     check_tensor(kv_indices, "kv_indices", dim=1, dtypes=INDEX_DTYPES, device=dev, like=like)
     _, H, D = q.shape
@@ -159,6 +176,8 @@ def mla_tree_verify_attention(
     impl: Optional[str] = None,
     num_kv_splits: Optional[int] = None,
     max_draft_tokens: Optional[int] = None,
+    k_scale: Optional[Union[float, torch.Tensor]] = None,
+    v_scale: Optional[Union[float, torch.Tensor]] = None,
 ) -> Union[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
     """Multi-head latent attention (MLA, absorbed form) of a batch of draft-token trees over a
     paged (token-slot) latent KV cache: DeepSeek-V3 / Kimi K2.5 verify attention.
@@ -183,7 +202,8 @@ def mla_tree_verify_attention(
         q: [T, H, D] fp16/bf16/fp32 absorbed queries (latent part, then rope part), request-major;
             1 <= H <= 128. D = v_head_dim + rope dim: 576 = 512 + 64 (CUDA kernel); the Triton
             kernel and the reference also take latent dims (128, 256, 512) x rope dims (32, 64).
-        kv_cache: [S, D] or [S, 1, D], q's dtype, contiguous (SGLang's MLATokenToKVPool buffer).
+        kv_cache: [S, D] or [S, 1, D], q's dtype or fp8 (float8_e4m3fn / float8_e5m2, q fp16 or
+            bf16), contiguous (SGLang's MLATokenToKVPool buffer).
         kv_indptr: int32 [B+1], non-decreasing, kv_indptr[0] >= 0 (an offset into kv_indices),
             kv_indptr[-1] <= len(kv_indices). kv_indices: int32 or int64 slot ids in [0, S).
         qo_indptr: int32 [B+1], qo_indptr[0] == 0, non-decreasing, qo_indptr[-1] == T.
@@ -198,6 +218,10 @@ def mla_tree_verify_attention(
             and the GPU (the CTAs it holds at once, spec_kernels.attention.plan), never from the
             tensors' values.
         max_draft_tokens: an upper bound of every n_b (1..64): sizes the launch (default min(T, 64)).
+        k_scale, v_scale: an fp8 cache's per-layer scales (required then, refused otherwise): K =
+            kv_cache * k_scale, V = kv_cache[:, :v_head_dim] * v_scale (SGLang passes the same
+            value for both); floats or 1-element fp32 tensors, as in
+            :func:`spec_kernels.tree_verify_attention`, whose fp8 numerics these are.
 
     Returns:
         o [T, H, v_head_dim] in q's dtype (softmax and accumulation in fp32), or (o, lse).
@@ -226,11 +250,12 @@ def mla_tree_verify_attention(
     check_tensor(tree_mask, "tree_mask", dim=1, dtypes=(torch.int64,), device=dev, like=like)
     check_shape(tree_mask, "tree_mask", (T,), "one word per query row of q")
     check_max_draft_tokens(max_draft_tokens)
+    scales = check_kv_scales(q, kv2d, None, k_scale, v_scale, ("kv_cache", "kv_cache"))
     if values_checkable(kv_indptr, qo_indptr, kv_indices, tree_mask):
         check_draft_values(qo_indptr, kv_indptr, kv_indices, tree_mask, T, kv2d.shape[0], max_draft_tokens,
                             "kv_cache")
     return _run(q, kv2d, kv_indptr, kv_indices, qo_indptr, tree_mask, sm_scale, v_head_dim, return_lse, out, impl,
-                num_kv_splits, max_draft_tokens)
+                num_kv_splits, max_draft_tokens, scales)
 
 
 def mla_decode_attention(
@@ -244,6 +269,8 @@ def mla_decode_attention(
     out: Optional[torch.Tensor] = None,
     impl: Optional[str] = None,
     num_kv_splits: Optional[int] = None,
+    k_scale: Optional[Union[float, torch.Tensor]] = None,
+    v_scale: Optional[Union[float, torch.Tensor]] = None,
 ) -> Union[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
     """Plain MLA decode: one query token per request over all of its KV slots.
 
@@ -256,19 +283,21 @@ def mla_decode_attention(
     B = kv_indptr.numel() - 1
     if q.shape[0] != B:
         raise ValueError(f"q must have one row per request: q.shape[0]={q.shape[0]} but kv_indptr has B={B}")
+    scales = check_kv_scales(q, kv2d, None, k_scale, v_scale, ("kv_cache", "kv_cache"))
     if values_checkable(kv_indptr, kv_indices):
         check_kv_values(kv_indptr, kv_indices, kv2d.shape[0], [0] * B, "kv_cache")
     return _run(q, kv2d, kv_indptr, kv_indices, None, None, sm_scale, v_head_dim, return_lse, out, impl,
-                num_kv_splits, 1)
+                num_kv_splits, 1, scales)
 
 
 def _run(q, kv_cache, kv_indptr, kv_indices, qo_indptr, tree_mask, sm_scale, v_head_dim, return_lse, out, impl,
-         num_kv_splits, max_draft_tokens):
+         num_kv_splits, max_draft_tokens, scales: KvScales = NO_SCALES):
     check_num_kv_splits(num_kv_splits)
     out = check_out(out, q, v_head_dim)
     lse = q.new_empty(q.shape[:2], dtype=torch.float32) if return_lse else None
     torch.ops.spec_kernels.mla_tree_verify_attention(
         q, kv_cache, kv_indptr, kv_indices, qo_indptr, tree_mask, softmax_scale(sm_scale, q.shape[2]), v_head_dim,
         out, lse, impl or "", int(num_kv_splits or 0), int(max_draft_tokens or 0),
+        scales.k, scales.v, scales.k_tensor, scales.v_tensor,
     )
     return (out, lse) if return_lse else out

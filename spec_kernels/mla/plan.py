@@ -8,7 +8,7 @@ import torch
 
 from .._checks import FLOAT_DTYPES, check_shape, check_tensor
 from ..attention.batch import BatchLayout
-from ..attention.checks import check_num_kv_splits, check_out, softmax_scale
+from ..attention.checks import check_kv_scales, check_num_kv_splits, check_out, kv_cache_dtypes, softmax_scale
 from ..attention.plan import SplitWorkspace
 from . import cuda as cuda_binding
 from . import triton_kernel
@@ -34,10 +34,13 @@ class MlaPlan:
                  tree_mask: Optional[torch.Tensor] = None, *, num_heads: int, head_dim: int = 576,
                  v_head_dim: int = 512, dtype: torch.dtype = torch.bfloat16, sm_scale: Optional[float] = None,
                  max_draft_tokens: Optional[int] = None, num_kv_splits: Optional[int] = None,
-                 impl: Optional[str] = None):
+                 impl: Optional[str] = None, kv_dtype: Optional[torch.dtype] = None):
         self.layout = layout = BatchLayout.check(kv_indptr, kv_indices, qo_indptr, tree_mask, max_draft_tokens)
         if dtype not in FLOAT_DTYPES:
             raise TypeError(f"dtype must be one of {FLOAT_DTYPES}, got {dtype}")
+        kv_dtype = dtype if kv_dtype is None else kv_dtype
+        if kv_dtype not in kv_cache_dtypes(dtype):
+            raise TypeError(f"kv_dtype must be one of {kv_cache_dtypes(dtype)} for dtype {dtype}, got {kv_dtype}")
         if not 1 <= num_heads <= MAX_HEADS:
             raise ValueError(f"num_heads must be in 1..{MAX_HEADS}, got {num_heads}")
         if v_head_dim not in LATENT_DIMS or head_dim - v_head_dim not in ROPE_DIMS:
@@ -45,16 +48,16 @@ class MlaPlan:
                              f"be one of {LATENT_DIMS} and the rest one of {ROPE_DIMS}")
         check_num_kv_splits(num_kv_splits)
         T, B, dev = layout.num_tokens, layout.num_requests, layout.device
-        self.device, self.dtype = dev, dtype
+        self.device, self.dtype, self.kv_dtype = dev, dtype, kv_dtype
         self.num_heads, self.head_dim, self.v_head_dim = num_heads, head_dim, v_head_dim
         self.sm_scale = softmax_scale(sm_scale, head_dim)
         meta = (torch.empty((T, num_heads, head_dim), dtype=dtype, device="meta"),
-                torch.empty((1, head_dim), dtype=dtype, device="meta"), v_head_dim)
+                torch.empty((1, head_dim), dtype=kv_dtype, device="meta"), v_head_dim)
         self.impl, _ = MLA.select(dev, impl or None, args=meta)
         planners = {  # each implementation's split planner, as its one-call launch uses it
             "cuda": lambda: cuda_binding.auto_splits(dev, T, B, num_heads, kv_indices.numel(), layout.decode,
                                                      layout.max_draft_tokens),
-            "triton": lambda: triton_kernel.auto_splits(dev, T, B, num_heads, head_dim, dtype, kv_indices.numel(),
+            "triton": lambda: triton_kernel.auto_splits(dev, T, B, num_heads, head_dim, kv_dtype, kv_indices.numel(),
                                                         layout.decode, layout.max_draft_tokens),
         }
         # The reference has no splits; an empty batch launches nothing.
@@ -67,18 +70,19 @@ class MlaPlan:
         return self.workspace.splits
 
     def run(self, q: torch.Tensor, kv_cache: torch.Tensor, out: Optional[torch.Tensor] = None,
-            return_lse: bool = False) -> Union[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
+            return_lse: bool = False, k_scale=None, v_scale=None) -> Union[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
         """One layer's MLA attention over the planned batch: q [T, H, D], kv_cache [S, D] or
-        [S, 1, D] of the planned dtype; returns o [T, H, v_head_dim] (written into `out` when
+        [S, 1, D] of the planned kv_dtype (an fp8 cache: with its k_scale / v_scale); returns o [T, H, v_head_dim] (written into `out` when
         given), or (o, lse). Results as spec_kernels.mla_tree_verify_attention / mla_decode_attention."""
         lay = self.layout
         T, H, D = lay.num_tokens, self.num_heads, self.head_dim
         check_tensor(q, "q", dim=3, dtypes=(self.dtype,), device=self.device)
         check_shape(q, "q", (T, H, D), "[T, H, D] of the plan")
-        check_tensor(kv_cache, "kv_cache", dtypes=(self.dtype,), device=self.device)
+        check_tensor(kv_cache, "kv_cache", dtypes=(self.kv_dtype,), device=self.device)
         if not (kv_cache.dim() == 2 or (kv_cache.dim() == 3 and kv_cache.shape[1] == 1)) or kv_cache.shape[-1] != D:
             raise ValueError(f"kv_cache must be [S, {D}] or [S, 1, {D}], got shape {tuple(kv_cache.shape)}")
         kv2d = kv_cache.view(kv_cache.shape[0], D)
+        scales = check_kv_scales(q, kv2d, None, k_scale, v_scale, ("kv_cache", "kv_cache"))
         S = kv2d.shape[0]
         if self._values_checked_for != S:
             lay.check_values(S, "kv_cache")
@@ -90,14 +94,16 @@ class MlaPlan:
             splits = ws.splits if ws.min_chunk == 0 else None
             if lay.decode:
                 return mla_decode_attention(q, kv_cache, lay.kv_indptr, lay.kv_indices, self.sm_scale, self.v_head_dim,
-                                            return_lse, out, num_kv_splits=splits)
+                                            return_lse, out, num_kv_splits=splits, k_scale=k_scale, v_scale=v_scale)
             return mla_tree_verify_attention(q, kv_cache, lay.kv_indptr, lay.kv_indices, lay.qo_indptr, lay.tree_mask,
                                              self.sm_scale, self.v_head_dim, return_lse, out, num_kv_splits=splits,
-                                             max_draft_tokens=lay.max_draft_tokens or None)
+                                             max_draft_tokens=lay.max_draft_tokens or None, k_scale=k_scale,
+                                             v_scale=v_scale)
         out = check_out(out, q, self.v_head_dim)
         lse = q.new_empty((T, H), dtype=torch.float32) if return_lse else None
         ws = self.workspace
         torch.ops.spec_kernels.mla_tree_verify_attention_run(
             q, kv2d, lay.kv_indptr, lay.kv_indices, lay.qo_indptr, lay.tree_mask, self.sm_scale, self.v_head_dim,
-            out, lse, ws.o_partial, ws.lse_partial, self.impl, ws.splits, ws.min_chunk, lay.max_draft_tokens)
+            out, lse, ws.o_partial, ws.lse_partial, self.impl, ws.splits, ws.min_chunk, lay.max_draft_tokens,
+            scales.k, scales.v, scales.k_tensor, scales.v_tensor)
         return (out, lse) if return_lse else out

@@ -32,10 +32,13 @@ def mla_tree_verify_attention(
     out: torch.Tensor,
     lse: Optional[torch.Tensor],
     max_draft_tokens: int = 0,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
 ) -> None:
     """q [T, H, D], kv_cache [S, D] -> out [T, H, v_head_dim] (and lse [T, H]), in fp32.
-    qo_indptr=None is plain decode (one query per request sees all its slots). Non-finite
+    qo_indptr=None is plain decode (one query per request sees all its slots). An fp8 cache is
+    dequantised: K = kv_cache * k_scale, V = its first v_head_dim values * v_scale. Non-finite
     values and invalid (unchecked) indices as in spec_kernels.attention.reference."""
     kv = kv_cache.unsqueeze(1)  # [S, 1, D]: the one KV head every query head reads
     attention_reference.tree_verify_attention(q, kv, kv[..., :v_head_dim], kv_indptr, kv_indices, qo_indptr,
-                                              tree_mask, sm_scale, out, lse, max_draft_tokens)
+                                              tree_mask, sm_scale, out, lse, max_draft_tokens, k_scale, v_scale)

@@ -31,7 +31,9 @@ from .._autotune import LazyAutotune
 from ..attention.plan import KernelResources, SplitWorkspace, expected_rows, mean_prefix, triton_resources
 from ..attention.plan import max_rows as plan_max_rows
 from ..attention.plan import num_kv_splits as plan_splits
-from ..attention.triton_common import LOG2E, draft_bits, finite_or_nan, indptr_range, merge_splits, split_destinations
+from ..attention.checks import NO_SCALES, KvScales
+from ..attention.triton_common import (LOG2E, draft_bits, finite_or_nan, fp8_bits_to_float, fp8_cache_view,
+                                       indptr_range, merge_splits, split_destinations)
 
 
 @triton.jit
@@ -44,7 +46,8 @@ def _dot(a, b, acc, IEEE_DOT: tl.constexpr):
 @triton.jit
 def _attend_tile(q_lat, q_rope, m_i, l_i, acc, KV, KV_INDICES, first, offs_n, key_ok, row_bits, qk_scale,
                  stride_kv, num_indices, num_slots, DV: tl.constexpr, DR: tl.constexpr, MASKED: tl.constexpr,
-                 COMPUTE_F32: tl.constexpr, IEEE_DOT: tl.constexpr):
+                 COMPUTE_F32: tl.constexpr, IEEE_DOT: tl.constexpr, FP8_KV: tl.constexpr, FP8_BITS: tl.constexpr,
+                 E5M2: tl.constexpr):
     """One KV tile (slots kv_indices[first + offs_n]) folded into the online softmax of every row.
     MASKED (tail tiles): key j of the tile is visible to a row iff bit j of its row_bits is set.
     Positions outside kv_indices are skipped; a slot id outside [0, S) (invalid input) reads as
@@ -56,9 +59,15 @@ def _attend_tile(q_lat, q_rope, m_i, l_i, acc, KV, KV_INDICES, first, offs_n, ke
     row = KV + slot[:, None] * stride_kv
     lat = tl.load(row + tl.arange(0, DV)[None, :], mask=slot_ok[:, None], other=0.0)  # [BLOCK_N, DV]
     rope = tl.load(row + DV + tl.arange(0, DR)[None, :], mask=slot_ok[:, None], other=0.0)  # [BLOCK_N, DR]
-    if COMPUTE_F32:
+    if FP8_BITS:  # fp8 cache under the interpreter: its bytes
+        lat = fp8_bits_to_float(lat, E5M2)
+        rope = fp8_bits_to_float(rope, E5M2)
+    elif COMPUTE_F32:
         lat = lat.to(tl.float32)
         rope = rope.to(tl.float32)
+    elif FP8_KV:  # exact: every fp8 value is a value of q's type
+        lat = lat.to(q_lat.dtype)
+        rope = rope.to(q_lat.dtype)
     s = _dot(q_rope, tl.trans(rope), None, IEEE_DOT)
     s = _dot(q_lat, tl.trans(lat), s, IEEE_DOT)
     visible = key_ok[None, :]
@@ -80,6 +89,7 @@ def _mla_fwd_kernel(
     Q, KV, KV_INDPTR, KV_INDICES, QO_INDPTR, TREE_MASK,
     O, LSE,  # final outputs (one split) or partials [splits, T, H, DV] / [splits, T, H]
     qk_scale,  # sm_scale * log2(e): the softmax runs in base 2
+    k_scale, v_scale, K_SCALE, V_SCALE,  # fp8 caches: host scales, or 1-element fp32 tensors (*_SCALE_TENSOR)
     stride_qt, stride_qh, stride_kv,
     stride_ot, stride_oh, stride_os, stride_lt, stride_ls,
     max_rows, num_splits,
@@ -92,12 +102,24 @@ def _mla_fwd_kernel(
     PARTIAL: tl.constexpr,
     COMPUTE_F32: tl.constexpr,
     IEEE_DOT: tl.constexpr,
+    FP8_KV: tl.constexpr,  # the cache holds fp8 values (value * scale), converted exactly to q's type
+    FP8_BITS: tl.constexpr,  # ... passed as their bytes (interpreter: fp8_bits_to_float)
+    E5M2: tl.constexpr,  # ... e5m2 rather than e4m3fn
+    K_SCALE_TENSOR: tl.constexpr,  # k_scale is read from K_SCALE
+    V_SCALE_TENSOR: tl.constexpr,  # v_scale is read from V_SCALE
     MIN_CHUNK: tl.constexpr,  # smallest prefix share of a split (a multiple of BLOCK_N, or 0)
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
 ):
     pid = tl.program_id(0)
     split = tl.program_id(1)
+    # fp8: K's scale folds into the logits' scale, V's into the output (as in tree_verify).
+    if K_SCALE_TENSOR:
+        qk_scale = qk_scale * tl.load(K_SCALE)
+    else:
+        qk_scale = qk_scale * k_scale
+    if V_SCALE_TENSOR:
+        v_scale = tl.load(V_SCALE)
     num_m_blocks = tl.cdiv(max_rows, BLOCK_M)
     m_block = pid % num_m_blocks
     req = pid // num_m_blocks
@@ -150,7 +172,7 @@ def _mla_fwd_kernel(
         for start in range(lo, hi, BLOCK_N):
             m_i, l_i, acc = _attend_tile(q_lat, q_rope, m_i, l_i, acc, KV, KV_INDICES, kv_start + start, offs_n,
                                          start + offs_n < hi, row_bits, qk_scale, stride_kv, num_indices,
-                                         num_slots, DV, DR, False, COMPUTE_F32, IEEE_DOT)
+                                         num_slots, DV, DR, False, COMPUTE_F32, IEEE_DOT, FP8_KV, FP8_BITS, E5M2)
 
         # ---- tail: the n_draft draft slots under the ancestor bitmask (last split only)
         if not IS_DECODE:
@@ -160,10 +182,12 @@ def _mla_fwd_kernel(
                     m_i, l_i, acc = _attend_tile(q_lat, q_rope, m_i, l_i, acc, KV, KV_INDICES,
                                                  kv_start + prefix_len + t0, offs_n, key_ok, row_bits >> t0, qk_scale,
                                                  stride_kv, num_indices, num_slots, DV, DR, True, COMPUTE_F32,
-                                                 IEEE_DOT)
+                                                 IEEE_DOT, FP8_KV, FP8_BITS, E5M2)
 
         # ---- epilogue: rows that saw no key get zeros and lse = -inf; a NaN l (a NaN logit) is seen
         seen = l_i != 0.0
+        if FP8_KV:
+            acc = acc * v_scale
         o = tl.where(seen[:, None], acc / tl.where(seen, l_i, 1.0)[:, None], 0.0)
         lse2 = tl.where(seen, m_i + tl.math.log2(tl.where(seen, l_i, 1.0)), float("-inf"))
         o_ptrs = O + token[:, None] * stride_ot + head[:, None] * stride_oh + tl.arange(0, DV)[None, :]
@@ -245,11 +269,12 @@ def mla_tree_verify_attention(
     block_m: Optional[int] = None,
     block_n: Optional[int] = None,
     workspace=None,
+    scales: KvScales = NO_SCALES,
 ) -> None:
     """Launch the Triton kernel(s). Arguments as in spec_kernels.mla.mla_tree_verify_attention
     (already checked; kv_cache is [S, D]); block_m/block_n override the tile (tests); a planned
     SplitWorkspace gives the splits, their minimum share and the partial buffers (without one it
-    is planned here, as a plan would)."""
+    is planned here, as a plan would); scales: an fp8 cache's (attention.checks.KvScales)."""
     T, H, D = q.shape
     B = kv_indptr.numel() - 1
     if T == 0 or B == 0:
@@ -270,13 +295,19 @@ def mla_tree_verify_attention(
     partial = splits > 1
     o_dst, lse_dst, strides_o, strides_l = split_destinations(out, lse, workspace)
 
-    args = (q, kv_cache, kv_indptr, kv_indices, qo_ptr, mask_ptr, o_dst, lse_dst, sm_scale * LOG2E,
+    fp8 = kv_cache.dtype in (torch.float8_e4m3fn, torch.float8_e5m2)
+    args = (q, fp8_cache_view(kv_cache, triton_interpreting()), kv_indptr, kv_indices, qo_ptr, mask_ptr, o_dst,
+            lse_dst, sm_scale * LOG2E,
+            scales.k, scales.v, scales.k_tensor if scales.k_tensor is not None else kv_indptr,
+            scales.v_tensor if scales.v_tensor is not None else kv_indptr,
             q.stride(0), q.stride(1), kv_cache.stride(0), *strides_o, *strides_l, max_rows, splits,
             T, kv_indices.numel(), kv_cache.shape[0])
     meta = dict(
         HEADS=H, DV=v_head_dim, DR=D - v_head_dim, IS_DECODE=is_decode, WRITE_LSE=lse is not None,
         PARTIAL=partial, COMPUTE_F32=triton_interpreting() or q.dtype == torch.float32,
         IEEE_DOT=q.dtype == torch.float32,
+        FP8_KV=fp8, FP8_BITS=fp8 and triton_interpreting(), E5M2=kv_cache.dtype == torch.float8_e5m2,
+        K_SCALE_TENSOR=scales.k_tensor is not None, V_SCALE_TENSOR=scales.v_tensor is not None,
         # A forced split count divides the prefix evenly; the automatic one keeps splits >= 256 keys.
         MIN_CHUNK=min_chunk,
         BLOCK_M=block_m,

@@ -35,6 +35,7 @@ from ..attention.checks import (
     check_max_draft_tokens,
     check_num_kv_splits,
     check_out,
+    scales_kwargs,
     softmax_scale,
 )
 from . import cuda as cuda_binding
@@ -58,13 +59,6 @@ def _tree_verify_reference(q, k_cache, v_cache, kv_indptr, kv_indices, qo_indptr
     reference.tree_verify_attention(q, k_cache, v_cache, kv_indptr, kv_indices, qo_indptr,
                                     tree_mask, sm_scale, out, lse, max_draft_tokens, k_scale, v_scale)
 
-
-def _scales_kwargs(k_scale, v_scale, k_scale_tensor, v_scale_tensor) -> dict:
-    """The implementations' `scales` argument from the custom ops' four scale arguments (none for
-    a cache without scales, so that every implementation keeps its plain signature there)."""
-    if k_scale_tensor is None and v_scale_tensor is None and k_scale == 1.0 and v_scale == 1.0:
-        return {}
-    return {"scales": KvScales(k_scale, v_scale, k_scale_tensor, v_scale_tensor)}
 
 
 @TREE_MASK.register("cuda")
@@ -98,7 +92,7 @@ def _tree_verify_op(
 ) -> None:
     _, fn = TREE_VERIFY.select(q.device, impl or None, args=(q, k_cache, v_cache))
     fn(q, k_cache, v_cache, kv_indptr, kv_indices, qo_indptr, tree_mask, sm_scale, out, lse, num_kv_splits,
-       max_draft_tokens, **_scales_kwargs(k_scale, v_scale, k_scale_tensor, v_scale_tensor))
+       max_draft_tokens, **scales_kwargs(k_scale, v_scale, k_scale_tensor, v_scale_tensor))
 
 
 @_tree_verify_op.register_fake
@@ -134,7 +128,7 @@ def _tree_verify_run_op(
     """The planned launch (spec_kernels.tree_verify.plan.TreeVerifyPlan.run): the implementation,
     the splits, their minimum share and the split buffers come from the plan."""
     fn = TREE_VERIFY.impls[impl]
-    scales = _scales_kwargs(k_scale, v_scale, k_scale_tensor, v_scale_tensor)
+    scales = scales_kwargs(k_scale, v_scale, k_scale_tensor, v_scale_tensor)
     if impl == "reference":
         fn(q, k_cache, v_cache, kv_indptr, kv_indices, qo_indptr, tree_mask, sm_scale, out, lse, num_kv_splits,
            max_draft_tokens, **scales)
