@@ -21,6 +21,7 @@ pytest.importorskip("sglang", reason="SGLang 0.5.23 is not installed "
 
 from sglang.srt.layers.attention.attention_registry import ATTENTION_BACKENDS  # noqa: E402
 from sglang.srt.layers.radix_attention import RadixAttention  # noqa: E402
+from sglang.srt.mem_cache.memory_pool import MLATokenToKVPool  # noqa: E402
 from sglang.srt.model_executor.forward_batch_info import ForwardMode  # noqa: E402
 from sglang.srt.model_executor.forward_context import ForwardContext, forward_context  # noqa: E402
 from sglang.test.kits.attention_unittest.attention_methods.mla_attention import (  # noqa: E402
@@ -44,21 +45,31 @@ def _registered():
 class MlaBench(Bench):
     """Bench's batches (ForwardBatch, EagleVerifyInput, scattered pages) on an MLA runner."""
 
-    def __init__(self, *, page_size, num_draft=4, heads=4, rank=RANK, rope=ROPE, seed=0):
-        self.page_size, self.hq, self.rank, self.rope = page_size, heads, rank, rope
+    def __init__(self, *, page_size, num_draft=4, heads=4, rank=RANK, rope=ROPE, seed=0, kv_dtype=None,
+                 dtype=torch.float32, k_scale=None):
+        self.page_size, self.hq, self.rank, self.rope, self.dtype = page_size, heads, rank, rope, dtype
         self.gen = torch.Generator().manual_seed(seed)
         case = MLAAttentionCase(name="specfused-mla", backend=plugin.BACKEND_NAME,
                                 forward_mode=ForwardMode.TARGET_VERIFY, num_heads=heads, page_size=page_size,
                                 prefix_lens=(0,) * MAX_BS, extend_lens=(num_draft,) * MAX_BS)
         config = TinyMLAModelConfig(num_heads=heads, kv_lora_rank=rank, qk_rope_head_dim=rope, hidden_size=64,
                                     context_len=CTX)
-        self.runner = MockMLAModelRunner(case=case, model_config=config, dtype=torch.float32, device=DEVICE,
+        self.runner = MockMLAModelRunner(case=case, model_config=config, dtype=dtype, device=DEVICE,
                                          max_context_len=CTX, kv_lora_rank=rank, qk_rope_head_dim=rope)
+        if kv_dtype is not None:  # --kv-cache-dtype fp8_*: an MLA pool of that dtype, as SGLang makes it
+            old = self.runner.token_to_kv_pool
+            self.runner.kv_cache_dtype = kv_dtype
+            self.runner.token_to_kv_pool = MLATokenToKVPool(
+                size=old.size, page_size=page_size, dtype=kv_dtype, kv_lora_rank=rank, qk_rope_head_dim=rope,
+                layer_num=1, device=DEVICE, enable_memory_saver=False)
         self.triton = ATTENTION_BACKENDS["triton"](self.runner)
         self.specfused = ATTENTION_BACKENDS[plugin.BACKEND_NAME](self.runner)
         # DeepSeek's absorbed attention layer: one latent KV head, values = its first `rank` dims.
         self.layer = RadixAttention(num_heads=heads, head_dim=rank + rope, scaling=0.07, num_kv_heads=1,
                                     layer_id=0, v_head_dim=rank)
+        if k_scale is not None:  # a checkpoint's kv scale (SGLang's MLA backends use k_scale for the row)
+            self.layer.k_scale, self.layer.v_scale = torch.tensor(k_scale), torch.tensor(k_scale)
+            self.layer.k_scale_float = self.layer.v_scale_float = k_scale
         kv = self.runner.token_to_kv_pool.get_key_buffer(0)
         kv.copy_(torch.randn(kv.shape, generator=self.gen))
         pages_per_req = CTX // page_size
@@ -67,8 +78,8 @@ class MlaBench(Bench):
 
     def qkv(self, num_tokens):
         """Absorbed queries [T, H * 576] and the tokens' latent rows k [T, 576] (v = its latent part)."""
-        q = torch.randn(num_tokens, self.hq * (self.rank + self.rope), generator=self.gen).to(DEVICE)
-        k = torch.randn(num_tokens, self.rank + self.rope, generator=self.gen).to(DEVICE)
+        q = torch.randn(num_tokens, self.hq * (self.rank + self.rope), generator=self.gen).to(DEVICE, self.dtype)
+        k = torch.randn(num_tokens, self.rank + self.rope, generator=self.gen).to(DEVICE, self.dtype)
         return q, k, k[:, : self.rank]
 
     def compare(self, fb_ours, qkv, fb_triton=None):
@@ -159,6 +170,43 @@ def test_mla_draft_counts_change_between_batches():
 
 
 # --------------------------------------------------------------------------- errors
+@pytest.mark.parametrize("kv_dtype", [torch.float8_e4m3fn, torch.float8_e5m2], ids=["fp8_e4m3", "fp8_e5m2"])
+@pytest.mark.parametrize("page_size,k_scale", [(1, 0.5), (16, None)], ids=["page1-scaled", "page16"])
+def test_mla_fp8_kv_cache_decode_and_verify(kv_dtype, page_size, k_scale):
+    """fp16 queries over an fp8 latent pool (the new rows written through it, divided by k_scale),
+    against float64 attention over the pool's dequantised rows (SGLang's Triton kernels misread
+    fp8 under the interpreter: see test_sglang_backend's fp8 tests)."""
+    b = MlaBench(page_size=page_size, seed=5, kv_dtype=kv_dtype, dtype=torch.float16, k_scale=k_scale, rank=128,
+                 rope=32)
+    try:
+        scale = k_scale or 1.0
+
+        def want(qkv, rows):
+            kv = b.runner.token_to_kv_pool.get_key_buffer(0).double().view(-1, b.rank + b.rope) * scale
+            q = qkv[0].view(-1, b.hq, b.rank + b.rope).double()
+            out = torch.zeros(q.shape[0], b.hq, b.rank, dtype=torch.float64)
+            for t, (req, positions) in enumerate(rows):
+                rows_kv = kv[torch.tensor([b.slot(req, p) for p in positions])]
+                for h in range(b.hq):
+                    out[t, h] = torch.softmax(rows_kv @ q[t, h] * 0.07, 0) @ rows_kv[:, :b.rank]
+            return out.view(q.shape[0], -1)
+
+        seq_lens = [1, 17, 33, 5]
+        qkv = b.qkv(len(seq_lens))
+        ours = b.run(b.specfused, b.decode_batch(seq_lens), qkv)
+        torch.testing.assert_close(ours.double(), want(qkv, [(r, range(n)) for r, n in enumerate(seq_lens)]),
+                                   atol=2e-3, rtol=2e-3)
+        prefix = [3, 16, 0, 21]
+        blocks = [_tree(4, "random", b.gen) for _ in prefix]
+        qkv = b.qkv(4 * len(prefix))
+        ours = b.run(b.specfused, b.verify_batch(prefix, blocks), qkv)
+        rows = [(r, [*range(p), *(p + j for j in range(4) if blocks[r][i, j])])
+                for r, p in enumerate(prefix) for i in range(4)]
+        torch.testing.assert_close(ours.double(), want(qkv, rows), atol=2e-3, rtol=2e-3)
+    finally:
+        b.close()
+
+
 def test_mla_dims_the_kernels_lack_are_refused():
     b = MlaBench(page_size=1, seed=0)
     try:

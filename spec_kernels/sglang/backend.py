@@ -57,6 +57,9 @@ logger = logging.getLogger(__name__)
 BACKEND_NAME = "specfused"
 HEAD_DIMS = (64, 128, 256)
 KV_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+# --kv-cache-dtype fp8_e4m3 / fp8_e5m2: the pool keeps the bytes (uint8) and hands out fp8 views;
+# the layer's k_scale / v_scale (1.0 when the checkpoint has none) dequantise on the fly.
+FP8_KV_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
 EXTEND_BACKEND_ENV = "SPEC_KERNELS_SGLANG_EXTEND_BACKEND"
 
 
@@ -117,10 +120,15 @@ def check_model_supported(model_runner) -> None:
         if head_dim not in HEAD_DIMS or v_head_dim not in HEAD_DIMS:
             raise SpecFusedUnsupported(
                 f"specfused supports head dims {HEAD_DIMS}, this model has q/k {head_dim}, v {v_head_dim}; {hint}")
-    if model_runner.kv_cache_dtype not in KV_DTYPES:
+    kv_dtype = model_runner.kv_cache_dtype
+    if kv_dtype not in KV_DTYPES + FP8_KV_DTYPES:
         raise SpecFusedUnsupported(
-            f"specfused reads fp16/bf16/fp32 KV caches, got {model_runner.kv_cache_dtype} "
+            f"specfused reads fp16/bf16/fp32 and fp8 (e4m3, e5m2) KV caches, got {kv_dtype} "
             "(--kv-cache-dtype auto keeps the model dtype)")
+    if kv_dtype in FP8_KV_DTYPES and getattr(model_runner, "dtype", None) not in (torch.float16, torch.bfloat16):
+        raise SpecFusedUnsupported(
+            f"specfused reads an fp8 KV cache with float16/bfloat16 queries; the model runs in "
+            f"{getattr(model_runner, 'dtype', None)}")
     num_draft = get_spec().speculative_num_draft_tokens or 0
     if num_draft > masks.MAX_DRAFT_TOKENS:
         raise SpecFusedUnsupported(
@@ -141,7 +149,7 @@ def _check_mla_model(model_runner, hint: str) -> None:
             f"specfused does not support DeepSeek sparse attention (DSA: DeepSeek-V3.2, GLM-5); {hint}")
 
 
-def _check_layer(layer, sinks=None, score_mod=None) -> None:
+def _check_layer(layer, sinks=None, score_mod=None, fp8_cache: bool = False) -> None:
     # Per-layer features the fused kernel has no code for; failing loudly beats wrong output.
     unsupported = []
     if layer.logit_cap and layer.logit_cap > 0:
@@ -150,8 +158,8 @@ def _check_layer(layer, sinks=None, score_mod=None) -> None:
         unsupported.append("sliding-window attention")
     if layer.is_cross_attention or layer.attn_type != AttentionType.DECODER:
         unsupported.append(f"attention type {layer.attn_type} / cross-attention")
-    if layer.k_scale is not None or layer.v_scale is not None:
-        unsupported.append("quantized-KV scales (k_scale/v_scale)")
+    if not fp8_cache and (layer.k_scale is not None or layer.v_scale is not None):
+        unsupported.append("KV scales (k_scale/v_scale) without an fp8 KV cache")
     if getattr(layer, "xai_temperature_len", -1) > 0:
         unsupported.append("xai temperature scaling")
     if sinks is not None:
@@ -367,15 +375,16 @@ class SpecFusedAttnBackend(AttentionBackend):
     def _plan(self, md: _Metadata, key: tuple):
         plan = md.plans.get(key)
         if plan is None:
-            mla, heads, kv_heads, head_dim, v_head_dim, dtype, scaling = key
+            mla, heads, kv_heads, head_dim, v_head_dim, dtype, scaling, kv_dtype = key
             layout = (md.kv_indptr, md.kv_indices, md.qo_indptr, md.tree_mask)
             draft = dict(max_draft_tokens=md.num_draft) if md.qo_indptr is not None else {}
+            kv = dict(kv_dtype=kv_dtype) if kv_dtype in FP8_KV_DTYPES else {}
             if mla:
                 plan = MlaPlan(*layout, num_heads=heads, head_dim=head_dim, v_head_dim=v_head_dim, dtype=dtype,
-                               sm_scale=scaling, **draft)
+                               sm_scale=scaling, **draft, **kv)
             else:
                 plan = TreeVerifyPlan(*layout, num_q_heads=heads, num_kv_heads=kv_heads, head_dim=head_dim,
-                                      v_head_dim=v_head_dim, dtype=dtype, sm_scale=scaling, **draft)
+                                      v_head_dim=v_head_dim, dtype=dtype, sm_scale=scaling, **draft, **kv)
             md.plans[key] = plan
             self._geometries.add(key)
         return plan
@@ -406,10 +415,33 @@ class SpecFusedAttnBackend(AttentionBackend):
         if not save_kv_cache or k is None or v is None:
             return
         loc = KVWriteLoc.for_batch(forward_batch)
-        if k_rope is not None:  # MLA, split form: k is the latent part
-            self.token_to_kv_pool.set_mla_kv_buffer(layer, loc, k, k_rope)
-        else:  # MLA writes k, the whole latent row; MHA writes k and v
+        fp8 = self.kv_cache_dtype in FP8_KV_DTYPES
+        if self.use_mla:
+            # The MLA pool takes no scales (as SGLang's own MLA backends do): divide here.
+            if fp8 and layer.k_scale is not None:
+                k = k / layer.k_scale
+                k_rope = k_rope / layer.k_scale if k_rope is not None else None
+            if k_rope is not None:  # split form: k is the latent part
+                self.token_to_kv_pool.set_mla_kv_buffer(layer, loc, k, k_rope)
+            else:  # k is the whole latent row
+                self.token_to_kv_pool.set_kv_buffer(layer, loc, k, v)
+        elif fp8 and (layer.k_scale is not None or layer.v_scale is not None):
+            self.token_to_kv_pool.set_kv_buffer(layer, loc, k, v, layer.k_scale, layer.v_scale)
+        else:
             self.token_to_kv_pool.set_kv_buffer(layer, loc, k, v)
+
+    def _scales(self, layer) -> dict:
+        """The layer's dequantisation scales for an fp8 cache (as SGLang's triton backend reads
+        them: both or neither, 1.0 without), none otherwise."""
+        if self.kv_cache_dtype not in FP8_KV_DTYPES:
+            return {}
+        if self.use_mla:  # the latent row (K, and V = its first columns) was stored / k_scale
+            k = float(layer.k_scale_float if layer.k_scale_float is not None else layer.k_scale) \
+                if layer.k_scale is not None else 1.0
+            return dict(k_scale=k, v_scale=k)
+        if layer.k_scale is not None and layer.v_scale is not None:
+            return dict(k_scale=float(layer.k_scale_float), v_scale=float(layer.v_scale_float))
+        return dict(k_scale=1.0, v_scale=1.0)
 
     def _kv_buffers(self, layer):
         k_cache = self.token_to_kv_pool.get_key_buffer(layer.layer_id)
@@ -422,7 +454,7 @@ class SpecFusedAttnBackend(AttentionBackend):
 
     def _attend(self, q, k, v, layer, forward_batch, save_kv_cache, sinks, score_mod, verify: bool,
                 q_rope=None, k_rope=None):
-        _check_layer(layer, sinks, score_mod)
+        _check_layer(layer, sinks, score_mod, self.kv_cache_dtype in FP8_KV_DTYPES)
         self._save_kv(layer, forward_batch, k, v, save_kv_cache, k_rope)
         md = self.forward_metadata
         heads = layer.tp_q_head_num
@@ -439,13 +471,13 @@ class SpecFusedAttnBackend(AttentionBackend):
         # first step; the first step plans at its first layer), then only the launch.
         kv_heads = 1 if self.use_mla else layer.tp_k_head_num
         plan = self._plan(md, (self.use_mla, heads, kv_heads, layer.qk_head_dim, layer.v_head_dim, q3.dtype,
-                               float(layer.scaling)))
+                               float(layer.scaling), self.kv_cache_dtype))
         if self.use_mla:
             # One latent head [slots, 1, 576]; the ops read the value as its first v_head_dim values.
-            plan.run(q3, self.token_to_kv_pool.get_key_buffer(layer.layer_id), out=out)
+            plan.run(q3, self.token_to_kv_pool.get_key_buffer(layer.layer_id), out=out, **self._scales(layer))
         else:
             k_cache, v_cache = self._kv_buffers(layer)
-            plan.run(q3, k_cache, v_cache, out=out)
+            plan.run(q3, k_cache, v_cache, out=out, **self._scales(layer))
         return o
 
     # q_rope / k_rope: SGLang's MLA backends' split form (FlashInfer-MLA's forward_decode/extend).
