@@ -69,9 +69,13 @@ DTYPE = getattr(torch, PRESET.dtype)
 CHECK_MAX_KV_ROWS = 1 << 18  # compare with the reference only where its host loop is cheap
 
 
+KV_SCALE = 0.5  # the fp8 rows' k_scale and v_scale
+
+
 @dataclass(frozen=True)
 class Case:
-    """B requests, each with L prefix KV slots and n draft tokens (n = 1: plain decode)."""
+    """B requests, each with L prefix KV slots and n draft tokens (n = 1: plain decode); kv: the
+    cache in the model dtype, or "fp8_e4m3" (q in the preset's dtype, fp16 when that is fp32)."""
 
     B: int
     L: int
@@ -79,6 +83,21 @@ class Case:
     Hq: int
     Hkv: int
     D: int
+    kv: str = "model"
+
+    @property
+    def q_dtype(self) -> torch.dtype:
+        return DTYPE if self.kv == "model" or DTYPE in (torch.float16, torch.bfloat16) else torch.float16
+
+    @property
+    def kv_dtype(self) -> torch.dtype:
+        return self.q_dtype if self.kv == "model" else torch.float8_e4m3fn
+
+    @property
+    def dtype_label(self) -> str:
+        """The summary's dtype column: q's dtype, and the cache's when it is fp8."""
+        q = str(self.q_dtype)[6:]
+        return q if self.kv == "model" else {"float16": "f16", "bfloat16": "bf16"}[q] + "+e4m3kv"
 
     @property
     def Dv(self) -> int:
@@ -86,7 +105,8 @@ class Case:
 
     @property
     def id(self) -> str:
-        return f"B{self.B}-L{self.L}-n{self.n}-h{self.Hq}x{self.Hkv}-d{self.D}-{PRESET.dtype}"
+        kv = "" if self.kv == "model" else f"-kv_{self.kv}"
+        return f"B{self.B}-L{self.L}-n{self.n}-h{self.Hq}x{self.Hkv}-d{self.D}-{str(self.q_dtype)[6:]}{kv}"
 
     @property
     def group(self) -> str:  # pytest-benchmark's table: one group per (B, L, heads)
@@ -98,8 +118,9 @@ class Case:
 
     @property
     def bytes(self) -> int:
-        elt = DTYPE.itemsize
-        return (self.kv_rows * self.Hkv + self.B * self.n * self.Hq) * (self.D + self.Dv) * elt
+        """Bytes a kernel reads and writes at least: every KV row once, q in, out back."""
+        kv = self.kv_rows * self.Hkv * (self.D + self.Dv) * self.kv_dtype.itemsize
+        return kv + self.B * self.n * self.Hq * (self.D + self.Dv) * self.q_dtype.itemsize
 
 
 def attention_impls(device: torch.device) -> list[str]:
@@ -115,15 +136,17 @@ def attention_impls(device: torch.device) -> list[str]:
 def unsupported_reason(impl: str, case: Case) -> Optional[str]:
     """Why `impl` cannot run `case`, or None: beyond the device, an impl may reject the
     arguments (the CUDA kernel takes fp16/bf16 only), decided from shapes and dtypes alone."""
+    if case.kv != "model" and impl in ("sdpa", "sglang-triton"):
+        return "fp8 cache: this anchor runs on the model-dtype row of the same shape"
     if impl == "sdpa":
         return None
     if impl == "sglang-triton":
         if case.n == 1:
             return "the verify anchor (plain decode has its own kernel in SGLang)"
         return _sglang_kernels.unavailable_reason()
-    q = torch.empty(1, case.Hq, case.D, dtype=DTYPE, device="meta")
-    k = torch.empty(1, case.Hkv, case.D, dtype=DTYPE, device="meta")
-    v = torch.empty(1, case.Hkv, case.Dv, dtype=DTYPE, device="meta")
+    q = torch.empty(1, case.Hq, case.D, dtype=case.q_dtype, device="meta")
+    k = torch.empty(1, case.Hkv, case.D, dtype=case.kv_dtype, device="meta")
+    v = torch.empty(1, case.Hkv, case.Dv, dtype=case.kv_dtype, device="meta")
     return op_impls("tree_verify_attention").unavailable_reason(impl, DEVICE, args=(q, k, v))
 
 
@@ -131,6 +154,9 @@ CASES = [Case(B, L, n, hq, hkv, PRESET.head_dim)
          for hq, hkv in PRESET.heads for B in PRESET.batch_sizes for L in PRESET.prefix_lens
          for n in PRESET.draft_counts]
 IMPLS = attention_impls(DEVICE)
+# The fp8-cache rows: our kernels only, beside the model-dtype rows of the same shapes.
+FP8_CASES = [Case(c.B, c.L, c.n, c.Hq, c.Hkv, c.D, "fp8_e4m3") for c in CASES]
+FP8_IMPLS = [i for i in IMPLS if i in ("cuda", "triton")]
 
 
 # --------------------------------------------------------------------------- inputs
@@ -149,6 +175,7 @@ class Inputs:
     kv_indptr: torch.Tensor
     qo_indptr: torch.Tensor
     sets: list[InputSet]
+    scales: dict  # k_scale / v_scale of an fp8 cache, else empty
 
 
 def random_parents(B: int, n: int) -> torch.Tensor:
@@ -172,20 +199,24 @@ def make_inputs(case: Case, num_sets: int, need_dense_mask: bool) -> Inputs:
     """One cache holding `num_sets` disjoint input sets; each set's slots are a random permutation
     of its own part of the cache (so requests read scattered rows, as with page size 1)."""
     rows = case.kv_rows
-    k_cache = torch.randn(num_sets * rows, case.Hkv, case.D, dtype=DTYPE, device=DEVICE)
-    v_cache = torch.randn(num_sets * rows, case.Hkv, case.Dv, dtype=DTYPE, device=DEVICE)
+    k_cache = torch.randn(num_sets * rows, case.Hkv, case.D, dtype=case.q_dtype, device=DEVICE)
+    v_cache = torch.randn(num_sets * rows, case.Hkv, case.Dv, dtype=case.q_dtype, device=DEVICE)
+    scales = {}
+    if case.kv != "model":
+        k_cache, v_cache = ((c.float() / KV_SCALE).to(case.kv_dtype) for c in (k_cache, v_cache))
+        scales = dict(k_scale=KV_SCALE, v_scale=KV_SCALE)
     steps = torch.arange(case.B + 1, dtype=torch.int32, device=DEVICE)
     kv_indptr, qo_indptr = steps * (case.L + case.n), steps * case.n
     sets = []
     for s in range(num_sets):
         kv_indices = (s * rows + torch.randperm(rows, device=DEVICE)).to(torch.int32)
-        q = torch.randn(case.B * case.n, case.Hq, case.D, dtype=DTYPE, device=DEVICE)
+        q = torch.randn(case.B * case.n, case.Hq, case.D, dtype=case.q_dtype, device=DEVICE)
         tree_mask = dense = None
         if case.n > 1:
             tree_mask = spec_kernels.tree_mask_from_parents(random_parents(case.B, case.n), qo_indptr)
             dense = dense_mask(case, tree_mask) if need_dense_mask else None
         sets.append(InputSet(q, kv_indices, tree_mask, dense))
-    return Inputs(k_cache, v_cache, kv_indptr, qo_indptr, sets)
+    return Inputs(k_cache, v_cache, kv_indptr, qo_indptr, sets, scales)
 
 
 # --------------------------------------------------------------------------- the calls
@@ -227,11 +258,11 @@ def launcher(impl: str, case: Case, inp: Inputs, s: InputSet, out: torch.Tensor)
         return sglang_attention(case, inp, s, out)
     if case.n == 1:
         return lambda: spec_kernels.decode_attention(
-            s.q, inp.k_cache, inp.v_cache, inp.kv_indptr, s.kv_indices, out=out, impl=impl)
+            s.q, inp.k_cache, inp.v_cache, inp.kv_indptr, s.kv_indices, out=out, impl=impl, **inp.scales)
     # max_draft_tokens: the server knows its tree size; it sizes the launch for n, not 64.
     return lambda: spec_kernels.tree_verify_attention(
         s.q, inp.k_cache, inp.v_cache, inp.kv_indptr, s.kv_indices, inp.qo_indptr, s.tree_mask,
-        out=out, impl=impl, max_draft_tokens=case.n)
+        out=out, impl=impl, max_draft_tokens=case.n, **inp.scales)
 
 
 def check_against_reference(impl: str, case: Case, inp: Inputs, out: torch.Tensor) -> None:
@@ -241,7 +272,7 @@ def check_against_reference(impl: str, case: Case, inp: Inputs, out: torch.Tenso
     expected = torch.empty_like(out)
     launcher("reference", case, inp, inp.sets[0], expected)()
     launcher(impl, case, inp, inp.sets[0], out)()
-    tol = 1e-3 if DTYPE == torch.float32 else 2e-2
+    tol = 1e-3 if case.q_dtype == torch.float32 else 2e-2
     torch.testing.assert_close(out, expected, atol=tol, rtol=tol, msg=lambda m: f"{impl} vs reference: {m}")
 
 
@@ -260,14 +291,15 @@ def test_stream_bandwidth(benchmark, bench_results, op):
     _timing.record(benchmark, bench_results, nbytes, kind="stream", op=op, **info)
 
 
-@pytest.mark.parametrize("case,impl", [pytest.param(c, i, id=f"{c.id}-{i}") for c in CASES for i in IMPLS])
+@pytest.mark.parametrize("case,impl", [pytest.param(c, i, id=f"{c.id}-{i}") for c in CASES for i in IMPLS] +
+                         [pytest.param(c, i, id=f"{c.id}-{i}") for c in FP8_CASES for i in FP8_IMPLS])
 def test_attention(benchmark, bench_results, case, impl):
     benchmark.group = case.group
     reason = unsupported_reason(impl, case)
     if reason is not None:
         pytest.skip(f"{impl}: {reason}")
     inp = make_inputs(case, _timing.input_sets_for(case.bytes, DEVICE), need_dense_mask=impl == "sdpa")
-    out = torch.empty(case.B * case.n, case.Hq, case.Dv, dtype=DTYPE, device=DEVICE)
+    out = torch.empty(case.B * case.n, case.Hq, case.Dv, dtype=case.q_dtype, device=DEVICE)
     if impl == "sglang-triton":  # an anchor that cannot compile here (other Triton) is absent, not our failure
         try:
             launcher(impl, case, inp, inp.sets[0], out)()
@@ -279,4 +311,4 @@ def test_attention(benchmark, bench_results, case, impl):
     _timing.record(benchmark, bench_results, case.bytes, kind="attention",
                    op="decode" if case.n == 1 else "tree_verify", impl=impl,
                    B=case.B, L=case.L, n=case.n, Hq=case.Hq, Hkv=case.Hkv, D=case.D, Dv=case.Dv,
-                   dtype=PRESET.dtype, **info)
+                   dtype=case.dtype_label, kv_dtype=str(case.kv_dtype)[6:], **info)
