@@ -253,6 +253,70 @@ def test_fuzz_tree_verify_attention(impl, kind, data):
                   lambda: _tv_reference({k: clone_value(v) for k, v in kw.items()}, decode=False))
 
 
+# --------------------------------------------------------------------------- fp8 KV caches
+FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
+
+
+def fp8_scale_corruption(data, kw: dict) -> Bad:
+    """One argument of a valid fp8-cache call changed: a scale (missing, out of range, of another
+    type or shape, a tensor form that is legal), a cache's dtype, or q's."""
+    arg = data.draw(st.sampled_from(["k_scale", "v_scale", "k_cache", "v_cache", "q"]), label="argument")
+    if arg in ("k_scale", "v_scale"):
+        forms = {
+            "missing": (None, "raise"), "zero": (0.0, "raise"), "negative": (-0.5, "raise"),
+            "inf": (math.inf, "raise"), "nan": (math.nan, "raise"), "bool": (True, "raise"), "int": (2, "legal"),
+            "string": ("0.5", "raise"), "tiny": (1e-30, "legal"),
+            "fp32 [1]": (torch.tensor([0.75]), "legal"), "fp32 0-d": (torch.tensor(0.75), "legal"),
+            "fp32 [2]": (torch.tensor([0.5, 0.5]), "raise"), "fp64 [1]": (torch.tensor([0.5], dtype=torch.float64), "raise"),
+            "fp32 [1] zero": (torch.zeros(1), "raise"), "meta": (torch.ones(1, device="meta"), "raise"),
+        }
+        form = data.draw(st.sampled_from(sorted(forms)), label="scale form")
+        kw[arg], expect = forms[form]
+        return Bad(arg, "value", f"{arg} = {form}", expect)
+    if arg == "q":
+        new = data.draw(st.sampled_from([torch.float32, torch.float8_e4m3fn, torch.bfloat16]), label="q dtype")
+        kw["q"] = kw["q"].to(new)
+        kw["out"] = kw["out"].to(new) if new != torch.float8_e4m3fn else kw["out"]
+        return Bad(arg, "dtype", f"q -> {new}", "legal" if new == torch.bfloat16 else "raise")
+    new = data.draw(st.sampled_from([*FP8_DTYPES, torch.float16]), label="cache dtype")
+    old = kw[arg].dtype
+    kw[arg] = kw[arg].float().to(new)
+    if new == old:
+        return Bad(arg, "dtype", f"{arg} {old} unchanged", "legal")
+    # the other cache keeps its fp8 dtype: v_cache's error names v_cache; k_cache's may name either
+    names = (arg,) if arg == "v_cache" else ("k_cache", "v_cache")
+    return Bad(arg, "dtype", f"{arg} {old} -> {new}", "raise", names=names)
+
+
+def _fp8_reference(kw: dict, decode: bool):
+    q = kw["q"]
+    out = torch.zeros(q.shape[0], q.shape[1], kw["v_cache"].shape[2], dtype=q.dtype)
+    lse = torch.zeros(q.shape[:2], dtype=torch.float32)
+    ks, vs = (float(kw[n]) for n in ("k_scale", "v_scale"))
+    tv_ref.tree_verify_attention(q, kw["k_cache"], kw["v_cache"], kw["kv_indptr"], kw["kv_indices"],
+                                 None if decode else kw["qo_indptr"], None if decode else kw["tree_mask"],
+                                 _scale(kw, q.shape[2]), out, lse, 1 if decode else kw.get("max_draft_tokens") or 0,
+                                 ks, vs)
+    return out, lse
+
+
+@pytest.mark.parametrize("kind", ["value"])
+@pytest.mark.parametrize("decode", [False, True], ids=["verify", "decode"])
+@pytest.mark.parametrize("impl", IMPLS)
+@fuzz_by_kind({"value": 24})
+def test_fuzz_fp8_kv_cache_arguments(impl, decode, kind, data):
+    kw = data.draw(attention_case(decode=decode))
+    fp8 = data.draw(st.sampled_from(FP8_DTYPES), label="fp8 dtype")
+    kw["q"], kw["out"] = kw["q"].to(torch.float16), kw["out"].to(torch.float16)
+    kw["k_scale"], kw["v_scale"] = 0.5, 2.0
+    kw["k_cache"], kw["v_cache"] = (kw["k_cache"] / 0.5).to(fp8), (kw["v_cache"] / 2.0).to(fp8)
+    bad = fp8_scale_corruption(data, kw)
+    op = spec_kernels.decode_attention if decode else spec_kernels.tree_verify_attention
+    check_outcome(bad, kw, lambda: op(**kw, return_lse=True, impl=impl),
+                  lambda: _fp8_reference({k: clone_value(v) for k, v in kw.items()}, decode),
+                  compare=lambda got, want, what: assert_same_results(got, want, what, atol=1.6e-2, rtol=8e-3))
+
+
 @pytest.mark.parametrize("kind", ATTENTION_KINDS)
 @pytest.mark.parametrize("impl", IMPLS)
 @fuzz_by_kind(EXAMPLES)

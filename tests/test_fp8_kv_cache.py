@@ -342,3 +342,37 @@ def test_triton_mutant_is_caught(name, tmp_path, monkeypatch):
     monkeypatch.setitem(api.TREE_VERIFY.impls, "triton", mutant.tree_verify_attention)
     with pytest.raises(AssertionError):
         _mutant_check(*check)
+
+
+# The same for spec_kernels/mla/triton_kernel.py: (old text, new text, fp8 dtype of the check).
+MLA_TRITON_MUTANTS = {
+    "mla_v_scale_dropped": ("            acc = acc * v_scale\n", "            acc = acc * 1.0\n", torch.float8_e4m3fn),
+    "mla_v_scale_tensor_ignored": ("        v_scale = tl.load(V_SCALE)\n", "        v_scale = v_scale\n",
+                                   torch.float8_e4m3fn),
+    "mla_e5m2_read_as_e4m3fn": ("E5M2=kv_cache.dtype == torch.float8_e5m2", "E5M2=False", torch.float8_e5m2),
+}
+
+
+def _mla_mutant_check(fp8):
+    test_mla_triton_matches_reference_and_float64(fp8, [3, 0, 5], [6, 2, 30], None)
+
+
+@pytest.mark.parametrize("name", sorted(MLA_TRITON_MUTANTS))
+def test_mla_triton_mutant_is_caught(name, tmp_path, monkeypatch):
+    import importlib.util
+    import inspect
+
+    from spec_kernels.mla import api, triton_kernel
+
+    old, new, fp8 = MLA_TRITON_MUTANTS[name]
+    _mla_mutant_check(fp8)  # passes unmutated
+    text = inspect.getsource(triton_kernel)
+    assert text.count(old) == 1, f"mutant text found {text.count(old)} times in mla/triton_kernel.py: {old!r}"
+    path = tmp_path / f"mla_triton_kernel_{name}.py"
+    path.write_text(text.replace(old, new))
+    spec = importlib.util.spec_from_file_location(f"spec_kernels.mla._mutant_{name}", path)
+    mutant = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mutant)
+    monkeypatch.setitem(api.MLA.impls, "triton", mutant.mla_tree_verify_attention)
+    with pytest.raises(AssertionError):
+        _mla_mutant_check(fp8)
