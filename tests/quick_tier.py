@@ -22,6 +22,8 @@ NOT_QUICK = (
     "tests/test_comm.py::test_cpu_matches_reference[4]",  # [2] stays: the fallback on two ranks
     "tests/test_comm.py::test_cpu_timeout_raises_instead_of_hanging",
     "tests/test_comm.py::test_cpu_size_mismatch_fails_loudly_on_every_rank",
+    "tests/test_comm.py::test_cpu_reset_recovers_after_a_refused_call",
+    "tests/test_allreduce_emulator.py::test_orderings_the_model_finds_unneeded_pass_every_case",  # every case, 3x
     "tests/test_comm.py::test_tune_cli_writes_a_table_the_communicator_uses",
     "tests/test_comm.py::test_topo_cli_without_gpus",
     "tests/test_p2p_check.py::test_cpu_four_ranks_pass_then_one_rank_fails_setup",
