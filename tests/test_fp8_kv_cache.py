@@ -161,7 +161,9 @@ def test_the_cuda_kernel_declines_fp8_caches():
     case = make_case([2], [3], dtype=torch.bfloat16)
     k8 = case.k_cache.to(torch.float8_e4m3fn)
     why = cuda_binding.supports(case.q, k8, k8)
-    assert why is not None and "float8_e4m3fn" in why
+    assert why is not None and "float8_e4m3fn" in why and "Triton reads fp8" in why
+    mixed = cuda_binding.supports(case.q, case.k_cache.half(), case.v_cache.half())
+    assert "torch.float16 KV cache with torch.bfloat16 queries" in mixed and "fp8" not in mixed
 
 
 def test_the_custom_op_with_fp8_caches_passes_opcheck():

@@ -75,7 +75,7 @@ def test_a_head_dim_without_a_configuration():
     with pytest.raises(ValueError, match="head_dim=96"):
         tv_cuda.cuda_tree_verify_resources(96)
     q = torch.zeros(1, 1, 96, dtype=torch.float16)
-    assert "head dim 96" in tv_cuda.supports(q, torch.zeros(1, 1, 96), torch.zeros(1, 1, 96))
+    assert "head dim 96" in tv_cuda.supports(q, torch.zeros_like(q), torch.zeros_like(q))
 
 
 @pytest.mark.parametrize("args,name", [((128, 0, 1024, 0), "max_rows"), ((128, 8, -1, 0), "smem_per_sm"),

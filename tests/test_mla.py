@@ -275,6 +275,7 @@ def test_cuda_supports_only_aligned_half_576_512():
     assert cuda.supports(q, kv, 512) is None
     assert "float16/bfloat16" in cuda.supports(q.float(), kv.float(), 512)
     assert "head dim 576 with v_head_dim 512" in cuda.supports(q[..., :160], kv[:, :160], 128)
+    assert "torch.float16 KV cache with torch.bfloat16 queries" in cuda.supports(q, kv.half(), 512)
     misaligned = torch.empty(1 + q.numel(), dtype=torch.bfloat16)[1:].view(1, 8, 576)
     assert "16-byte aligned" in cuda.supports(misaligned, kv, 512)
 

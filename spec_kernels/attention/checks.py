@@ -90,6 +90,15 @@ KV_FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
 FP8_QUERY_DTYPES = (torch.float16, torch.bfloat16)
 
 
+def cuda_cache_dtype_refusal(q_dtype: torch.dtype, cache_dtype: torch.dtype) -> Optional[str]:
+    """Why a CUDA attention kernel (compiled for caches of the query dtype only) declines this cache,
+    or None when the dtypes agree."""
+    if cache_dtype == q_dtype:
+        return None
+    hint = " yet (Triton reads fp8 caches)" if cache_dtype in KV_FP8_DTYPES else ""
+    return f"the CUDA kernel has no instance for a {cache_dtype} KV cache with {q_dtype} queries{hint}"
+
+
 @dataclass(frozen=True)
 class KvScales:
     """The dequantisation scales of a call: K and V values are cache value * scale. A scale is a

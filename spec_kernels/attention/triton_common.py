@@ -9,6 +9,8 @@ import torch
 import triton
 import triton.language as tl
 
+from .checks import KV_FP8_DTYPES
+
 LOG2E = 1.4426950408889634
 
 
@@ -49,7 +51,7 @@ def fp8_bits_to_float(bits, E5M2: tl.constexpr):
 def fp8_cache_view(cache: torch.Tensor, interpreting: bool) -> torch.Tensor:
     """What a kernel gets for a cache: under the interpreter an fp8 cache's bytes (uint8, decoded
     by fp8_bits_to_float), else the cache itself."""
-    return cache.view(torch.uint8) if interpreting and cache.dtype in (torch.float8_e4m3fn, torch.float8_e5m2) \
+    return cache.view(torch.uint8) if interpreting and cache.dtype in KV_FP8_DTYPES \
         else cache
 
 

@@ -8,6 +8,7 @@ from typing import Optional
 import torch
 
 from .._ops import cuda_ops, kernel_config, mla_launch_config
+from ..attention.checks import cuda_cache_dtype_refusal
 from ..attention.plan import KernelResources, SplitWorkspace, expected_rows, max_rows, mean_prefix
 from ..attention.plan import num_kv_splits as plan_splits
 
@@ -25,8 +26,8 @@ def supports(q, kv_cache, v_head_dim, *_) -> Optional[str]:
     """None when the CUDA kernel handles these inputs, else why not (then Triton runs)."""
     if q.dtype not in (torch.float16, torch.bfloat16):
         return f"the CUDA kernel takes float16/bfloat16 (tensor cores), got {q.dtype}"
-    if kv_cache.dtype != q.dtype:
-        return f"the CUDA kernel has no instance for a {kv_cache.dtype} KV cache yet (Triton reads fp8 caches)"
+    if (refusal := cuda_cache_dtype_refusal(q.dtype, kv_cache.dtype)) is not None:
+        return refusal
     if (q.shape[2], v_head_dim) != (HEAD_DIM, V_HEAD_DIM):
         return (f"the CUDA kernel is built for head dim {HEAD_DIM} with v_head_dim {V_HEAD_DIM} "
                 f"(DeepSeek-V3 / Kimi K2.5), got {q.shape[2]} / {v_head_dim}")

@@ -31,7 +31,7 @@ from .._autotune import LazyAutotune
 from ..attention.plan import KernelResources, SplitWorkspace, expected_rows, mean_prefix, triton_resources
 from ..attention.plan import max_rows as plan_max_rows
 from ..attention.plan import num_kv_splits as plan_splits
-from ..attention.checks import NO_SCALES, KvScales
+from ..attention.checks import KV_FP8_DTYPES, NO_SCALES, KvScales
 from ..attention.triton_common import (LOG2E, draft_bits, finite_or_nan, fp8_bits_to_float, fp8_cache_view,
                                        indptr_range, merge_splits, split_destinations)
 
@@ -295,7 +295,7 @@ def mla_tree_verify_attention(
     partial = splits > 1
     o_dst, lse_dst, strides_o, strides_l = split_destinations(out, lse, workspace)
 
-    fp8 = kv_cache.dtype in (torch.float8_e4m3fn, torch.float8_e5m2)
+    fp8 = kv_cache.dtype in KV_FP8_DTYPES
     args = (q, fp8_cache_view(kv_cache, triton_interpreting()), kv_indptr, kv_indices, qo_ptr, mask_ptr, o_dst,
             lse_dst, sm_scale * LOG2E,
             scales.k, scales.v, scales.k_tensor if scales.k_tensor is not None else kv_indptr,

@@ -45,6 +45,7 @@ from sglang.srt.model_executor.forward_batch_info import ForwardBatch, ForwardMo
 from sglang.srt.runtime_context import get_parallel, get_spec
 from sglang.srt.speculative.eagle_utils import TreeMaskMode
 
+from ..attention.checks import KV_FP8_DTYPES
 from ..mla import MlaPlan
 from ..tree_verify import TreeVerifyPlan
 from ..mla.api import LATENT_DIMS as MLA_LATENT_DIMS
@@ -57,9 +58,8 @@ logger = logging.getLogger(__name__)
 BACKEND_NAME = "specfused"
 HEAD_DIMS = (64, 128, 256)
 KV_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
-# --kv-cache-dtype fp8_e4m3 / fp8_e5m2: the pool keeps the bytes (uint8) and hands out fp8 views;
-# the layer's k_scale / v_scale (1.0 when the checkpoint has none) dequantise on the fly.
-FP8_KV_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
+# --kv-cache-dtype fp8_e4m3 / fp8_e5m2 (KV_FP8_DTYPES): the pool keeps the bytes (uint8) and hands
+# out fp8 views; the layer's k_scale / v_scale (1.0 when the checkpoint has none) dequantise on the fly.
 EXTEND_BACKEND_ENV = "SPEC_KERNELS_SGLANG_EXTEND_BACKEND"
 
 
@@ -121,11 +121,11 @@ def check_model_supported(model_runner) -> None:
             raise SpecFusedUnsupported(
                 f"specfused supports head dims {HEAD_DIMS}, this model has q/k {head_dim}, v {v_head_dim}; {hint}")
     kv_dtype = model_runner.kv_cache_dtype
-    if kv_dtype not in KV_DTYPES + FP8_KV_DTYPES:
+    if kv_dtype not in KV_DTYPES + KV_FP8_DTYPES:
         raise SpecFusedUnsupported(
             f"specfused reads fp16/bf16/fp32 and fp8 (e4m3, e5m2) KV caches, got {kv_dtype} "
             "(--kv-cache-dtype auto keeps the model dtype)")
-    if kv_dtype in FP8_KV_DTYPES and getattr(model_runner, "dtype", None) not in (torch.float16, torch.bfloat16):
+    if kv_dtype in KV_FP8_DTYPES and getattr(model_runner, "dtype", None) not in (torch.float16, torch.bfloat16):
         raise SpecFusedUnsupported(
             f"specfused reads an fp8 KV cache with float16/bfloat16 queries; the model runs in "
             f"{getattr(model_runner, 'dtype', None)}")
@@ -378,7 +378,7 @@ class SpecFusedAttnBackend(AttentionBackend):
             mla, heads, kv_heads, head_dim, v_head_dim, dtype, scaling, kv_dtype = key
             layout = (md.kv_indptr, md.kv_indices, md.qo_indptr, md.tree_mask)
             draft = dict(max_draft_tokens=md.num_draft) if md.qo_indptr is not None else {}
-            kv = dict(kv_dtype=kv_dtype) if kv_dtype in FP8_KV_DTYPES else {}
+            kv = dict(kv_dtype=kv_dtype) if kv_dtype in KV_FP8_DTYPES else {}
             if mla:
                 plan = MlaPlan(*layout, num_heads=heads, head_dim=head_dim, v_head_dim=v_head_dim, dtype=dtype,
                                sm_scale=scaling, **draft, **kv)
@@ -415,7 +415,7 @@ class SpecFusedAttnBackend(AttentionBackend):
         if not save_kv_cache or k is None or v is None:
             return
         loc = KVWriteLoc.for_batch(forward_batch)
-        fp8 = self.kv_cache_dtype in FP8_KV_DTYPES
+        fp8 = self.kv_cache_dtype in KV_FP8_DTYPES
         if self.use_mla:
             # The MLA pool takes no scales (as SGLang's own MLA backends do): divide here.
             if fp8 and layer.k_scale is not None:
@@ -433,7 +433,7 @@ class SpecFusedAttnBackend(AttentionBackend):
     def _scales(self, layer) -> dict:
         """The layer's dequantisation scales for an fp8 cache (as SGLang's triton backend reads
         them: both or neither, 1.0 without), none otherwise."""
-        if self.kv_cache_dtype not in FP8_KV_DTYPES:
+        if self.kv_cache_dtype not in KV_FP8_DTYPES:
             return {}
         if self.use_mla:  # the latent row (K, and V = its first columns) was stored / k_scale
             k = float(layer.k_scale_float if layer.k_scale_float is not None else layer.k_scale) \
@@ -454,7 +454,7 @@ class SpecFusedAttnBackend(AttentionBackend):
 
     def _attend(self, q, k, v, layer, forward_batch, save_kv_cache, sinks, score_mod, verify: bool,
                 q_rope=None, k_rope=None):
-        _check_layer(layer, sinks, score_mod, self.kv_cache_dtype in FP8_KV_DTYPES)
+        _check_layer(layer, sinks, score_mod, self.kv_cache_dtype in KV_FP8_DTYPES)
         self._save_kv(layer, forward_batch, k, v, save_kv_cache, k_rope)
         md = self.forward_metadata
         heads = layer.tp_q_head_num

@@ -8,6 +8,7 @@ from typing import Callable, Optional
 import torch
 
 from .._ops import cuda_ops, kernel_config, kernel_configs, tree_verify_launch_config
+from ..attention.checks import cuda_cache_dtype_refusal
 from ..attention.plan import DeviceLimits, KernelResources, SplitWorkspace, expected_rows, max_rows, mean_prefix
 from ..attention.plan import num_kv_splits as plan_splits
 
@@ -43,8 +44,8 @@ def supports(q, k_cache, v_cache, *_) -> Optional[str]:
     """None when the CUDA kernel handles these inputs, else why not (then Triton runs)."""
     if q.dtype not in (torch.float16, torch.bfloat16):
         return f"the CUDA kernel takes float16/bfloat16 (tensor cores), got {q.dtype}"
-    if k_cache.dtype != q.dtype:
-        return f"the CUDA kernel has no instance for a {k_cache.dtype} KV cache yet (Triton reads fp8 caches)"
+    if (refusal := cuda_cache_dtype_refusal(q.dtype, k_cache.dtype)) is not None:
+        return refusal
     if not any(c.kernel == KERNEL and c.head_dim == q.shape[2] for c in kernel_configs()):
         return f"the CUDA kernel has no configuration for head dim {q.shape[2]}"
     if v_cache.shape[2] != q.shape[2]:

@@ -28,7 +28,7 @@ from .._autotune import LazyAutotune
 from ..attention.plan import KernelResources, SplitWorkspace, expected_rows, mean_prefix, triton_resources
 from ..attention.plan import max_rows as plan_max_rows
 from ..attention.plan import num_kv_splits as plan_splits
-from ..attention.checks import NO_SCALES, KvScales
+from ..attention.checks import KV_FP8_DTYPES, NO_SCALES, KvScales
 from ..attention.triton_common import (LOG2E, draft_bits, finite_or_nan, fp8_bits_to_float, fp8_cache_view,
                                        indptr_range, merge_splits, split_destinations)
 
@@ -332,7 +332,7 @@ def tree_verify_attention(
     splits, min_chunk = workspace.splits, workspace.min_chunk
     kernel, fixed = _kernel_for_launch()
     compute_f32 = triton_interpreting() or q.dtype == torch.float32
-    fp8 = k_cache.dtype in (torch.float8_e4m3fn, torch.float8_e5m2)
+    fp8 = k_cache.dtype in KV_FP8_DTYPES
     k_arg, v_arg = fp8_cache_view(k_cache, triton_interpreting()), fp8_cache_view(v_cache, triton_interpreting())
     # A placeholder for absent optional pointers (never dereferenced: constexpr branches).
     qo_ptr = qo_indptr if qo_indptr is not None else kv_indptr
