@@ -19,14 +19,16 @@ void tree_verify_attention(const at::Tensor& q, const at::Tensor& k_cache, const
                            const std::optional<at::Tensor>& qo_indptr, const std::optional<at::Tensor>& tree_mask,
                            at::Tensor& out, const std::optional<at::Tensor>& lse,
                            const std::optional<at::Tensor>& o_partial, const std::optional<at::Tensor>& lse_partial,
-                           double sm_scale, int64_t num_splits, int64_t min_chunk, int64_t max_rows);
+                           double sm_scale, int64_t num_splits, int64_t min_chunk, int64_t max_rows,
+                           double k_scale, double v_scale, const std::optional<at::Tensor>& k_scale_tensor,
+                           const std::optional<at::Tensor>& v_scale_tensor);
 
 // The configuration a launch takes, as [head_dim, block_m, threads, smem_bytes, regs,
 // min_ctas_per_sm] (block_m 0: none), and every compiled configuration, one line each.
 std::vector<int64_t> tree_verify_launch_config(int64_t head_dim, int64_t max_rows, int64_t smem_per_sm,
-                                               int64_t smem_reserved_per_cta);
+                                               int64_t smem_reserved_per_cta, bool kv_fp8);
 std::string tree_verify_configs();
-std::vector<int64_t> mla_launch_config(int64_t max_rows);
+std::vector<int64_t> mla_launch_config(int64_t max_rows, bool kv_fp8);
 std::string mla_configs();
 
 void mla_tree_verify_attention(const at::Tensor& q, const at::Tensor& kv_cache, const at::Tensor& kv_indptr,
@@ -34,7 +36,9 @@ void mla_tree_verify_attention(const at::Tensor& q, const at::Tensor& kv_cache, 
                                const std::optional<at::Tensor>& tree_mask, at::Tensor& out,
                                const std::optional<at::Tensor>& lse, const std::optional<at::Tensor>& o_partial,
                                const std::optional<at::Tensor>& lse_partial, double sm_scale, int64_t num_splits,
-                               int64_t min_chunk, int64_t max_rows);
+                               int64_t min_chunk, int64_t max_rows, double k_scale, double v_scale,
+                               const std::optional<at::Tensor>& k_scale_tensor,
+                               const std::optional<at::Tensor>& v_scale_tensor);
 
 void alloc_draft_slots(at::Tensor& req_to_token, const at::Tensor& req_pool_indices, const at::Tensor& seq_lens,
                        const at::Tensor& num_draft, at::Tensor& free_pages, at::Tensor& num_free,

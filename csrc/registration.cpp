@@ -94,20 +94,23 @@ TORCH_LIBRARY(spec_kernels_cuda, m) {
   m.def("compiled_cuda_version() -> int", &compiled_cuda_version);
   m.def("compiled_constants() -> str", &compiled_constants);
   m.def("kernel_configs() -> str", &kernel_configs);
-  m.def("tree_verify_launch_config(int head_dim, int max_rows, int smem_per_sm, int smem_reserved_per_cta) -> int[]",
+  m.def("tree_verify_launch_config(int head_dim, int max_rows, int smem_per_sm, int smem_reserved_per_cta, "
+        "bool kv_fp8=False) -> int[]",
         &b::tree_verify_launch_config);
-  m.def("mla_launch_config(int max_rows) -> int[]", &b::mla_launch_config);
+  m.def("mla_launch_config(int max_rows, bool kv_fp8=False) -> int[]", &b::mla_launch_config);
   m.def("tree_mask_from_parents(Tensor parents, Tensor qo_indptr, Tensor(a!) tree_mask) -> ()");
   m.impl("tree_mask_from_parents", c10::DispatchKey::CUDA, &b::tree_mask_from_parents);
   m.def(
       "tree_verify_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor kv_indptr, Tensor kv_indices, "
       "Tensor? qo_indptr, Tensor? tree_mask, Tensor(a!) out, Tensor(b!)? lse, Tensor(c!)? o_partial, "
-      "Tensor(d!)? lse_partial, float sm_scale, int num_splits, int min_chunk, int max_rows) -> ()");
+      "Tensor(d!)? lse_partial, float sm_scale, int num_splits, int min_chunk, int max_rows, float k_scale=1.0, "
+      "float v_scale=1.0, Tensor? k_scale_tensor=None, Tensor? v_scale_tensor=None) -> ()");
   m.impl("tree_verify_attention", c10::DispatchKey::CUDA, &b::tree_verify_attention);
   m.def(
       "mla_tree_verify_attention(Tensor q, Tensor kv_cache, Tensor kv_indptr, Tensor kv_indices, Tensor? qo_indptr, "
       "Tensor? tree_mask, Tensor(a!) out, Tensor(b!)? lse, Tensor(c!)? o_partial, Tensor(d!)? lse_partial, "
-      "float sm_scale, int num_splits, int min_chunk, int max_rows) -> ()");
+      "float sm_scale, int num_splits, int min_chunk, int max_rows, float k_scale=1.0, float v_scale=1.0, "
+      "Tensor? k_scale_tensor=None, Tensor? v_scale_tensor=None) -> ()");
   m.impl("mla_tree_verify_attention", c10::DispatchKey::CUDA, &b::mla_tree_verify_attention);
   m.def(
       "alloc_draft_slots(Tensor(a!) req_to_token, Tensor req_pool_indices, Tensor seq_lens, Tensor num_draft, "

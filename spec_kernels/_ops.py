@@ -73,6 +73,7 @@ class LaunchShape:
     smem_bytes: int
     regs: int
     min_ctas_per_sm: int
+    kv_fp8: int = 0  # 1: the instance for fp8 KV caches
     kernel: str = ""
     template_args: str = ""
 
@@ -94,33 +95,39 @@ def kernel_configs() -> tuple[LaunchShape, ...]:
     return tuple(out)
 
 
-def kernel_config(kernel: str, head_dim: int, block_m: int) -> LaunchShape:
-    """The compiled configuration of `kernel` for (head_dim, block_m); ValueError naming the
-    compiled ones when there is none."""
+def kernel_config(kernel: str, head_dim: int, block_m: int, kv_fp8: bool = False) -> LaunchShape:
+    """The compiled configuration of `kernel` for (head_dim, block_m) and the cache kind (kv_fp8:
+    the fp8-cache instance); ValueError naming the compiled ones when there is none."""
     for c in kernel_configs():
-        if (c.kernel, c.head_dim, c.block_m) == (kernel, head_dim, block_m):
+        if (c.kernel, c.head_dim, c.block_m, c.kv_fp8) == (kernel, head_dim, block_m, int(kv_fp8)):
             return c
-    have = ", ".join(f"({c.head_dim}, {c.block_m})" for c in kernel_configs() if c.kernel == kernel)
-    raise ValueError(f"{kernel} has no configuration for head_dim={head_dim}, block_m={block_m}; compiled: {have}")
+    have = ", ".join(f"({c.head_dim}, {c.block_m})" for c in kernel_configs()
+                     if c.kernel == kernel and c.kv_fp8 == int(kv_fp8))
+    raise ValueError(f"{kernel} has no configuration for head_dim={head_dim}, block_m={block_m}"
+                     f"{', fp8 cache' if kv_fp8 else ''}; compiled: {have}")
 
 
 @functools.lru_cache(maxsize=4096)
-def tree_verify_launch_config(head_dim: int, max_rows: int, smem_per_sm: int, smem_reserved_per_cta: int) -> LaunchShape:
+def tree_verify_launch_config(head_dim: int, max_rows: int, smem_per_sm: int, smem_reserved_per_cta: int,
+                              kv_fp8: bool = False) -> LaunchShape:
     """The configuration a CUDA tree-verify launch of `max_rows` takes on a device with that shared
-    memory (the launch's own choice, tree_verify_launch_shape in the C++); block_m 0: none."""
-    shape = _shape(cuda_ops().tree_verify_launch_config(head_dim, max_rows, smem_per_sm, smem_reserved_per_cta))
+    memory and that cache kind (the launch's own choice, tree_verify_launch_shape in the C++);
+    block_m 0: none."""
+    shape = _shape(cuda_ops().tree_verify_launch_config(head_dim, max_rows, smem_per_sm, smem_reserved_per_cta,
+                                                        bool(kv_fp8)))
     return _named(shape, "tree_verify_kernel")
 
 
 @functools.lru_cache(maxsize=4096)
-def mla_launch_config(max_rows: int) -> LaunchShape:
-    """The configuration a CUDA MLA launch of `max_rows` takes (the same on every device)."""
-    return _named(_shape(cuda_ops().mla_launch_config(max_rows)), "mla_tree_verify_kernel")
+def mla_launch_config(max_rows: int, kv_fp8: bool = False) -> LaunchShape:
+    """The configuration a CUDA MLA launch of `max_rows` takes (the same on every device; kv_fp8:
+    its fp8-cache instance)."""
+    return _named(_shape(cuda_ops().mla_launch_config(max_rows, bool(kv_fp8))), "mla_tree_verify_kernel")
 
 
 def _named(shape: LaunchShape, kernel: str) -> LaunchShape:
     for c in kernel_configs():
-        if (c.kernel, c.head_dim, c.block_m) == (kernel, shape.head_dim, shape.block_m):
+        if (c.kernel, c.head_dim, c.block_m, c.kv_fp8) == (kernel, shape.head_dim, shape.block_m, shape.kv_fp8):
             return c
     return shape  # block_m 0: no configuration
 

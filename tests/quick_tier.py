@@ -51,6 +51,8 @@ PTX_QUICK = (
     "tests/ptx/test_tree_verify_ptx.py::test_tree_verify_matches_reference[case6]",
     "tests/ptx/test_tree_verify_ptx.py::test_decode_matches_reference[dtype1-2-64]",
     "tests/ptx/test_tree_verify_ptx.py::test_sm90a_ptx_matches_reference",
+    "tests/ptx/test_tree_verify_fp8_ptx.py::test_fp8_cache_matches_reference[case0]",
+    "tests/ptx/test_mla_fp8_ptx.py::test_fp8_tree_verify_matches_reference[bf16-e4m3-bm16-split3]",
     "tests/ptx/test_mla_ptx.py::test_tree_verify_matches_reference[f16-tree-64-drafts]",
     "tests/ptx/test_mla_ptx.py::test_decode_matches_reference[f16-decode-h5-split1]",
     "tests/ptx/test_kv_slots_ptx.py::test_steps_match_reference[16-1-rtt_dtype1-index_dtype1]",

@@ -147,7 +147,7 @@ def test_plan_run_equals_the_one_call_function():
     k8, v8, _ = quantise(case, torch.float8_e4m3fn, 0.3, 0.6)
     plan = TreeVerifyPlan(case.kv_indptr, case.kv_indices, case.qo_indptr, case.tree_mask, num_q_heads=4,
                           num_kv_heads=2, head_dim=64, dtype=torch.bfloat16, kv_dtype=torch.float8_e4m3fn)
-    assert plan.impl == "triton"  # on CPU; the CUDA kernel has no fp8 instance yet
+    assert plan.impl == "triton"  # on CPU (the CUDA kernel needs CUDA tensors)
     got = plan.run(case.q, k8, v8, k_scale=0.3, v_scale=torch.tensor([0.6]))
     want = spec_kernels.tree_verify_attention(case.q, k8, v8, *case.args[3:], k_scale=0.3, v_scale=0.6)
     assert torch.equal(got.view(torch.int16), want.view(torch.int16))
@@ -157,13 +157,21 @@ def test_plan_run_equals_the_one_call_function():
         plan.run(case.q, k8, v8, k_scale=0.3)
 
 
-def test_the_cuda_kernel_declines_fp8_caches():
-    case = make_case([2], [3], dtype=torch.bfloat16)
-    k8 = case.k_cache.to(torch.float8_e4m3fn)
-    why = cuda_binding.supports(case.q, k8, k8)
-    assert why is not None and "float8_e4m3fn" in why and "Triton reads fp8" in why
-    mixed = cuda_binding.supports(case.q, case.k_cache.half(), case.v_cache.half())
-    assert "torch.float16 KV cache with torch.bfloat16 queries" in mixed and "fp8" not in mixed
+@pytest.mark.parametrize("fp8", [torch.float8_e4m3fn, torch.float8_e5m2])
+def test_the_cuda_kernel_takes_fp8_caches(fp8):
+    """The CUDA tree-verify kernel has an fp8 instance of every configuration (run by the PTX
+    interpreter in tests/ptx/test_tree_verify_fp8_ptx.py): supports() accepts fp8 caches with
+    fp16 / bf16 queries, and still declines a 16-bit cache unlike the query's."""
+    for dtype in (torch.bfloat16, torch.float16):
+        case = make_case([2], [3], d=128, dtype=dtype)
+        k8 = case.k_cache.to(fp8)
+        assert cuda_binding.supports(case.q, k8, case.v_cache.to(fp8)) is None
+    mixed = cuda_binding.supports(case.q, case.k_cache.bfloat16(), case.v_cache.bfloat16())
+    assert "torch.bfloat16 KV cache with torch.float16 queries" in mixed and "fp8" not in mixed
+    assert "float32" in cuda_binding.supports(case.q.float(), k8, k8)
+    # a row stride that is not a multiple of 16 bytes (an fp8 row of 8 elements' offset) goes to Triton
+    odd = torch.empty(k8.shape[0], k8.shape[1], 136, dtype=fp8)[:, :, :128]
+    assert "strides" in cuda_binding.supports(case.q, odd, odd)
 
 
 def test_the_custom_op_with_fp8_caches_passes_opcheck():
@@ -271,7 +279,7 @@ def test_mla_decode_plan_and_refusals():
     torch.testing.assert_close(got.float(), ref.float(), **HALF_TOL)
     plan = spec_kernels.mla.MlaPlan(case.kv_indptr, case.kv_indices, num_heads=8, kv_dtype=torch.float8_e4m3fn)
     assert torch.equal(plan.run(case.q, kv8, k_scale=0.25, v_scale=0.25).view(torch.int16), got.view(torch.int16))
-    assert spec_kernels.mla.cuda.supports(case.q, kv8, 512) is not None
+    assert spec_kernels.mla.cuda.supports(case.q, kv8, 512) is None  # its fp8 instances: tests/ptx
     with pytest.raises(ValueError, match="k_scale is required: kv_cache is float8_e4m3fn"):
         spec_kernels.mla_decode_attention(case.q, kv8, case.kv_indptr, case.kv_indices, v_scale=1.0)
     with pytest.raises(ValueError, match="v_scale is given but kv_cache is bfloat16"):
@@ -293,6 +301,74 @@ def test_gpu_triton_matches_reference(fp8, ns, prefixes, kind, hq, hkv):
     ref = spec_kernels.tree_verify_attention(case.q, k8, v8, *case.args[3:], impl="reference", k_scale=0.05,
                                              v_scale=3.0)
     torch.testing.assert_close(got.float(), ref.float(), **HALF_TOL)
+
+
+# (drafts, prefixes, hq, hkv, head dim, max_draft_tokens): every CUDA tree-verify configuration's
+# fp8 instance (64 rows at D 64 / 128 / 256, 128 rows at D 128; decode below takes the 32-row one
+# on sm_120 and the 64-row one on sm_90)
+CUDA_FP8_TV = [([5, 0, 17], [70, 3, 0], 4, 2, 64, 0), ([7, 2], [40, 300], 4, 1, 128, 0),
+               ([4], [70], 2, 1, 256, 0), ([16, 5], [300, 70], 8, 1, 128, 16)]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("fp8", FP8, ids=FP8_IDS)
+@pytest.mark.parametrize("ns,prefixes,hq,hkv,d,max_draft", CUDA_FP8_TV)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_gpu_cuda_fp8_matches_reference(fp8, ns, prefixes, hq, hkv, d, max_draft, dtype):
+    case = make_case(ns, prefixes, hq=hq, hkv=hkv, d=d, dtype=dtype, seed=5, device="cuda")
+    k8, v8, _ = quantise(case, fp8, 0.05, 3.0)
+    kw = dict(k_scale=0.05, v_scale=3.0, return_lse=True)
+    got, got_lse = spec_kernels.tree_verify_attention(case.q, k8, v8, *case.args[3:], impl="cuda",
+                                                      max_draft_tokens=max_draft or None, **kw)
+    ref, ref_lse = spec_kernels.tree_verify_attention(case.q, k8, v8, *case.args[3:], impl="reference", **kw)
+    torch.testing.assert_close(got.float(), ref.float(), **HALF_TOL)
+    torch.testing.assert_close(got_lse, ref_lse.float(), atol=1e-4, rtol=1e-4)
+    # decode on the same caches (D = 128: the 32-row configuration on sm_120)
+    B = case.kv_indptr.numel() - 1
+    q1 = case.q[:B].contiguous()
+    got = spec_kernels.decode_attention(q1, k8, v8, case.kv_indptr, case.kv_indices, impl="cuda", k_scale=0.05,
+                                        v_scale=3.0)
+    ref = spec_kernels.decode_attention(q1, k8, v8, case.kv_indptr, case.kv_indices, impl="reference", k_scale=0.05,
+                                        v_scale=3.0)
+    torch.testing.assert_close(got.float(), ref.float(), **HALF_TOL)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("fp8", FP8, ids=FP8_IDS)
+@pytest.mark.parametrize("ns,heads", [([3, 1], 4), ([3, 2], 7), ([5, 2], 16)])  # 16-, 32-, 64-row CTAs
+def test_gpu_cuda_mla_fp8_matches_reference(fp8, ns, heads):
+    case, kv = mla_case(ns, [40, 9], heads=heads, seed=4)
+    case = type(case)(*(t.cuda() for t in vars(case).values()))
+    kv8 = (kv.float() / 0.02).to(fp8).cuda()
+    kw = dict(k_scale=0.02, v_scale=0.03, return_lse=True)
+    got, got_lse = _mla(case, kv8, impl="cuda", **kw)
+    ref, ref_lse = _mla(case, kv8, impl="reference", **kw)
+    torch.testing.assert_close(got.float(), ref.float(), **HALF_TOL)
+    torch.testing.assert_close(got_lse, ref_lse.float(), atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.gpu
+def test_gpu_cuda_graph_replay_reads_updated_scale_tensors():
+    """A captured CUDA-kernel call with scale tensors: replayed after the tensors change in place,
+    it gives the result of the new scales (no recapture)."""
+    case = make_case([4, 2], [60, 9], hq=4, hkv=2, d=128, dtype=torch.bfloat16, seed=8, device="cuda")
+    k8, v8, _ = quantise(case, torch.float8_e4m3fn, 0.05, 3.0)
+    ks, vs = torch.tensor([0.05], device="cuda"), torch.tensor([3.0], device="cuda")
+    plan = spec_kernels.TreeVerifyPlan(*case.args[3:], num_q_heads=4, num_kv_heads=2, head_dim=128,
+                                       dtype=torch.bfloat16, kv_dtype=torch.float8_e4m3fn, impl="cuda")
+    out = torch.empty_like(case.q)
+    plan.run(case.q, k8, v8, out=out, k_scale=ks, v_scale=vs)  # warm-up outside the capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        plan.run(case.q, k8, v8, out=out, k_scale=ks, v_scale=vs)
+    ks.fill_(0.1)
+    vs.fill_(1.5)
+    graph.replay()
+    torch.cuda.synchronize()
+    want = spec_kernels.tree_verify_attention(case.q, k8, v8, *case.args[3:], impl="reference", k_scale=0.1,
+                                              v_scale=1.5)
+    torch.testing.assert_close(out.float(), want.float(), **HALF_TOL)
 
 
 def test_compiles_with_fullgraph_and_tensor_scales():

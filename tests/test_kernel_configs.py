@@ -29,11 +29,11 @@ def _extension():
 
 
 def unreachable(configs, choose) -> set:
-    """The (head_dim, block_m) of `configs` that `choose(head_dim, rows, limits)` never returns
-    over ROWS and the named GPUs."""
-    reached = {(c.head_dim, choose(c.head_dim, rows, limits))
+    """The (head_dim, block_m, kv_fp8) of `configs` that `choose(head_dim, rows, limits, kv_fp8)`
+    never returns over ROWS and the named GPUs."""
+    reached = {(c.head_dim, choose(c.head_dim, rows, limits, bool(c.kv_fp8)), c.kv_fp8)
                for c in configs for rows in ROWS for limits in DEVICES.values()}
-    return {(c.head_dim, c.block_m) for c in configs} - reached
+    return {(c.head_dim, c.block_m, c.kv_fp8) for c in configs} - reached
 
 
 def _configs(kernel):
@@ -42,29 +42,30 @@ def _configs(kernel):
 
 def test_every_tree_verify_configuration_is_reachable_from_the_planner():
     configs = _configs(tv_cuda.KERNEL)
-    assert {(c.head_dim, c.block_m) for c in configs} >= {(64, 64), (128, 64), (256, 64), (128, 32), (128, 128)}
+    pairs = {(64, 64), (128, 64), (256, 64), (128, 32), (128, 128)}
+    assert {(c.head_dim, c.block_m, c.kv_fp8) for c in configs} >= {(*p, fp8) for p in pairs for fp8 in (0, 1)}
     assert unreachable(configs, tv_cuda.cuda_tree_verify_block_m) == set()
 
 
 def test_every_mla_configuration_is_reachable_from_the_planner():
     configs = _configs(mla_cuda.KERNEL)
     assert {c.block_m for c in configs} == {16, 32, 64}
-    assert unreachable(configs, lambda d, rows, limits: mla_cuda.block_m(rows)) == set()
+    assert unreachable(configs, lambda d, rows, limits, fp8: mla_cuda.block_m(rows)) == set()
 
 
 def test_the_reachability_check_catches_a_configuration_no_launch_takes():
     # A configuration compiled into the list but never chosen by the launch rule (here: 64 rows
     # at D = 96, a head dim the rule has no configuration for) is reported.
-    extra = _ops.LaunchShape(96, 64, 128, 1024, 128, 1, tv_cuda.KERNEL, "96,64")
-    assert unreachable(_configs(tv_cuda.KERNEL) + [extra], tv_cuda.cuda_tree_verify_block_m) == {(96, 64)}
+    extra = _ops.LaunchShape(96, 64, 128, 1024, 128, 1, kernel=tv_cuda.KERNEL, template_args="96,64,false")
+    assert unreachable(_configs(tv_cuda.KERNEL) + [extra], tv_cuda.cuda_tree_verify_block_m) == {(96, 64, 0)}
 
 
 def test_the_planner_uses_the_compiled_resources():
     for c in _configs(tv_cuda.KERNEL):
-        r = tv_cuda.cuda_tree_verify_resources(c.head_dim, c.block_m)
+        r = tv_cuda.cuda_tree_verify_resources(c.head_dim, c.block_m, bool(c.kv_fp8))
         assert (r.threads, r.regs_per_thread, r.smem_bytes) == (c.threads, c.regs, c.smem_bytes)
     for c in _configs(mla_cuda.KERNEL):
-        r = mla_cuda.cuda_mla_resources(c.block_m)
+        r = mla_cuda.cuda_mla_resources(c.block_m, bool(c.kv_fp8))
         assert (r.threads, r.regs_per_thread, r.smem_bytes) == (c.threads, c.regs, c.smem_bytes)
     for c in _ops.kernel_configs():
         assert c.smem_bytes <= 99 * 1024 and c.threads % 32 == 0 and 0 < c.regs <= 255
@@ -102,12 +103,13 @@ int main() {
   const int smem[][2] = {%SMEM%};
   for (int d : dims)
     for (int rows = 1; rows <= 130; ++rows)
-      for (const auto& s : smem) {
-        const auto c = spec_kernels::tree_verify_launch_shape(d, rows, s[0], s[1]);
-        std::printf("tv %d %d %d %d %d %d %d\n", d, rows, s[0], s[1], c.block_m, c.threads, c.smem_bytes);
-      }
+      for (const auto& s : smem)
+        for (int fp8 = 0; fp8 < 2; ++fp8) {
+          const auto c = spec_kernels::tree_verify_launch_shape(d, rows, s[0], s[1], fp8 != 0);
+          std::printf("tv %d %d %d %d %d %d %d %d\n", d, rows, s[0], s[1], fp8, c.block_m, c.threads, c.smem_bytes);
+        }
   for (int rows = 1; rows <= 130; ++rows) {
-    const auto c = spec_kernels::mla_launch_shape(rows);
+    const auto c = spec_kernels::mla_launch_shape(rows, false);
     std::printf("mla %d %d %d %d\n", rows, c.block_m, c.threads, c.smem_bytes);
   }
 }
@@ -118,7 +120,8 @@ REPO = Path(__file__).resolve().parents[1]
 
 def launch_rule_table(tmp_path, patch=None) -> dict:
     """The launch rule of the configuration headers compiled with the host C++ compiler, over
-    head dims x rows 1..130 x the named GPUs' shared memory: {("tv", d, rows, per_sm, reserved) or
+    head dims x rows 1..130 x the named GPUs' shared memory x cache kind: {("tv", d, rows, per_sm,
+    reserved, fp8) or
     ("mla", rows): (block_m, threads, smem_bytes)}. patch = (header, old, new) compiles a mutant."""
     import shutil
     import subprocess
@@ -145,8 +148,8 @@ def launch_rule_table(tmp_path, patch=None) -> dict:
     for line in out.splitlines():
         kind, *vals = line.split()
         vals = [int(v) for v in vals]
-        key = (kind, *vals[:4]) if kind == "tv" else (kind, vals[0])
-        table[key] = tuple(vals[4:] if kind == "tv" else vals[1:])
+        key = (kind, *vals[:5]) if kind == "tv" else (kind, vals[0])
+        table[key] = tuple(vals[5:] if kind == "tv" else vals[1:])
     return table
 
 
@@ -156,12 +159,15 @@ def check_launch_rule(table) -> None:
     bm = {k: v[0] for k, v in table.items()}
     for rows in range(1, 131):
         for smem in SMEM_CASES:
-            assert bm[("tv", 64, rows, *smem)] == bm[("tv", 256, rows, *smem)] == 64  # one configuration
-            assert bm[("tv", 96, rows, *smem)] == 0  # no configuration
-            want = 128 if rows > 64 else 32 if rows <= 16 and smem == rtx else 64
-            assert bm[("tv", 128, rows, *smem)] == want, (rows, smem)
+            for fp8 in (0, 1):  # the same choice for either cache kind
+                assert bm[("tv", 64, rows, *smem, fp8)] == bm[("tv", 256, rows, *smem, fp8)] == 64  # one configuration
+                assert bm[("tv", 96, rows, *smem, fp8)] == 0  # no configuration
+                want = 128 if rows > 64 else 32 if rows <= 16 and smem == rtx else 64
+                assert bm[("tv", 128, rows, *smem, fp8)] == want, (rows, smem, fp8)
         assert bm[("mla", rows)] == (16 if rows <= 16 else 32 if rows <= 32 else 64)
-    assert table[("tv", 128, 65, *h200)][1:] == (256, 98 * 1024)  # 8 warps, the 64-row stages
+    assert table[("tv", 128, 65, *h200, 0)][1:] == (256, 98 * 1024)  # 8 warps, the 64-row stages
+    # fp8: byte stages (48 KB) and one converted K and V tile (32 KB) + the slot ids
+    assert table[("tv", 128, 65, *h200, 1)][1:] == (256, 82 * 1024)
 
 
 def test_the_compiled_launch_rule_is_the_extensions(tmp_path):

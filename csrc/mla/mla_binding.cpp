@@ -4,6 +4,7 @@
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
 
+#include <cmath>
 #include <optional>
 #include <string>
 #include <vector>
@@ -21,7 +22,9 @@ void mla_tree_verify_attention(const at::Tensor& q, const at::Tensor& kv_cache, 
                                const std::optional<at::Tensor>& tree_mask, at::Tensor& out,
                                const std::optional<at::Tensor>& lse, const std::optional<at::Tensor>& o_partial,
                                const std::optional<at::Tensor>& lse_partial, double sm_scale, int64_t num_splits,
-                               int64_t min_chunk, int64_t max_rows) {
+                               int64_t min_chunk, int64_t max_rows, double k_scale, double v_scale,
+                               const std::optional<at::Tensor>& k_scale_tensor,
+                               const std::optional<at::Tensor>& v_scale_tensor) {
   using spec_kernels::kMlaHeadDim;
   using spec_kernels::kMlaVHeadDim;
   TORCH_CHECK(q.is_cuda(), "q must be a CUDA tensor, got device ", q.device());
@@ -36,11 +39,10 @@ void mla_tree_verify_attention(const at::Tensor& q, const at::Tensor& kv_cache, 
                   reinterpret_cast<uintptr_t>(q.data_ptr()) % 16 == 0,
               "q must have contiguous, 16-byte aligned rows, got strides ", q.strides());
   TORCH_CHECK(kv_cache.device() == dev, "kv_cache must be on ", dev, " like q, got ", kv_cache.device());
-  TORCH_CHECK(kv_cache.scalar_type() == q.scalar_type(), "kv_cache must be ", q.scalar_type(), ", got ",
-              kv_cache.scalar_type());
+  const KvFormat kv_format = check_kv_format(q, kv_cache, "kv_cache", k_scale, v_scale, k_scale_tensor, v_scale_tensor);
   TORCH_CHECK(kv_cache.dim() == 2 && kv_cache.size(1) == kMlaHeadDim, "kv_cache must be [S, ", kMlaHeadDim,
               "], got ", kv_cache.sizes());
-  TORCH_CHECK(kv_cache.stride(1) == 1 && kv_cache.stride(0) % 8 == 0 &&
+  TORCH_CHECK(kv_cache.stride(1) == 1 && kv_cache.stride(0) % (16 / static_cast<int64_t>(kv_cache.element_size())) == 0 &&
                   reinterpret_cast<uintptr_t>(kv_cache.data_ptr()) % 16 == 0,
               "kv_cache must have contiguous, 16-byte aligned rows, got strides ", kv_cache.strides());
   check_cuda_vector(kv_indptr, "kv_indptr", at::kInt);
@@ -94,21 +96,23 @@ void mla_tree_verify_attention(const at::Tensor& q, const at::Tensor& kv_cache, 
   p.num_requests = static_cast<int>(B);
   p.num_tokens = static_cast<int>(T);
   p.num_heads = static_cast<int>(H);
+  fill_kv_format(p, kv_format);
   const auto dtype = q.scalar_type() == at::kBFloat16 ? spec_kernels::Dtype::kBFloat16 : spec_kernels::Dtype::kFloat16;
   const c10::cuda::CUDAGuard guard(dev);
   check_launch(spec_kernels::launch_mla_tree_verify_attention(p, dtype, c10::cuda::getCurrentCUDAStream(dev.index()).stream()),
                "mla_tree_verify_attention");
 }
 
-std::vector<int64_t> mla_launch_config(int64_t max_rows) {
+std::vector<int64_t> mla_launch_config(int64_t max_rows, bool kv_fp8) {
   TORCH_CHECK(max_rows >= 1 && max_rows <= (1 << 30), "max_rows must be in [1, 2^30], got ", max_rows);
-  return shape_values(mla_launch_shape(static_cast<int>(max_rows)));
+  return shape_values(mla_launch_shape(static_cast<int>(max_rows), kv_fp8));
 }
 
 std::string mla_configs() {
   std::string s;
-#define SPEC_KERNELS_MLA_LINE(M_TILES, REGS) \
-  s += shape_line("mla_tree_verify_kernel", #M_TILES, mla_instance_shape<M_TILES, REGS>());
+#define SPEC_KERNELS_MLA_LINE(M_TILES, REGS, FP8_REGS)                                                   \
+  s += shape_line("mla_tree_verify_kernel", #M_TILES ",false", mla_instance_shape<M_TILES, false, REGS>()); \
+  s += shape_line("mla_tree_verify_kernel", #M_TILES ",true", mla_instance_shape<M_TILES, true, FP8_REGS>());
   SPEC_KERNELS_MLA_CONFIGS(SPEC_KERNELS_MLA_LINE)
 #undef SPEC_KERNELS_MLA_LINE
   return s;

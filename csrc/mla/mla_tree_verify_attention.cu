@@ -38,7 +38,13 @@
 //
 // With num_splits > 1 every split writes a normalised partial output and its base-2 log-sum-exp;
 // mla_merge_splits_kernel combines them in a fixed order (bitwise deterministic, no atomics).
+//
+// An fp8 cache (kFp8) is gathered as bytes and converted once per tile into one tile of q's dtype
+// (MlaTile's comment says why), which K and V^T are read from; the 64-row CTA stages its Q
+// columns there instead of in KV stage 0. k_scale folds into the softmax scale, v_scale into the
+// output, as in the Triton kernel.
 #include <cfloat>
+#include <type_traits>
 
 #include "spec_kernels/mla.h"
 #include "spec_kernels/mla_config.h"
@@ -78,9 +84,10 @@ __device__ __forceinline__ float ex2(float x) {
 
 // MlaTile<kMTiles> (the tile constants) and the list of configurations: spec_kernels/mla_config.h.
 
-template <typename T, int kMTiles>
-__global__ void __launch_bounds__(MlaTile<kMTiles>::kThreads) mla_tree_verify_kernel(const MlaParams p) {
-  using Tile = MlaTile<kMTiles>;
+template <typename T, int kMTiles, bool kFp8>
+__global__ void __launch_bounds__(MlaTile<kMTiles, kFp8>::kThreads) mla_tree_verify_kernel(const MlaParams p) {
+  using Tile = MlaTile<kMTiles, kFp8>;
+  using KvT = std::conditional_t<kFp8, uint8_t, T>;
   constexpr int kThreads = Tile::kThreads, kDvTiles = Tile::kDvTiles;
   constexpr int kQRegSteps = Tile::kQRegSteps, kQStagedChunks = Tile::kQStagedChunks, kQChunks = Tile::kQChunks;
   constexpr int kBlockM = Tile::kBlockM;
@@ -88,7 +95,11 @@ __global__ void __launch_bounds__(MlaTile<kMTiles>::kThreads) mla_tree_verify_ke
   constexpr int kNWarps = Tile::kNWarps;
   extern __shared__ __align__(128) uint8_t smem[];
   T* s_q = reinterpret_cast<T*>(smem);
-  T* s_kv = s_q + kBlockM * kQChunks * 8;  // kStages stages of [kBlockN][kD]
+  T* s_conv = s_q + kBlockM * kQChunks * 8;  // fp8: the converted tile [kBlockN][kD]
+  KvT* s_kv = reinterpret_cast<KvT*>(s_conv + Tile::kConvertedElems);  // kStages stages of [kBlockN][kD]
+  // The first Q columns of the 64-row CTA, until they are in registers: KV stage 0, or (fp8) the
+  // converted tile.
+  T* s_q_staged = kFp8 ? s_conv : reinterpret_cast<T*>(s_kv);
   uint8_t* s_p = reinterpret_cast<uint8_t*>(s_kv + Tile::kStages * Tile::kStageElems);  // [kBlockM][kPStride] bytes
   float* s_red = reinterpret_cast<float*>(s_p + kBlockM * Tile::kPStride);  // [kBlockM][kNWarps]
   uint8_t* s_idx = reinterpret_cast<uint8_t*>(s_red + kNWarps * kBlockM);  // [4][kBlockN] x 8 B
@@ -121,7 +132,12 @@ __global__ void __launch_bounds__(MlaTile<kMTiles>::kThreads) mla_tree_verify_ke
   const int total_tiles = prefix_tiles + tail_tiles;
 
   const T* q = static_cast<const T*>(p.q);
-  const T* kv = static_cast<const T*>(p.kv_cache);
+  const KvT* kv = static_cast<const KvT*>(p.kv_cache);
+  float qk_scale_log2 = p.sm_scale_log2, v_scale = 1.f;
+  if constexpr (kFp8) {
+    qk_scale_log2 *= p.k_scale_ptr != nullptr ? *p.k_scale_ptr : p.k_scale;
+    v_scale = p.v_scale_ptr != nullptr ? *p.v_scale_ptr : p.v_scale;
+  }
 
   // Row r of the block: query token and head, or token -1 past the rows / for invalid qo_indptr.
   auto row_token = [&](int r) -> int64_t {
@@ -137,7 +153,7 @@ __global__ void __launch_bounds__(MlaTile<kMTiles>::kThreads) mla_tree_verify_ke
     const T* src = token < 0 ? q : q + token * p.q_stride_t + ((row0 + r) % H) * p.q_stride_h + c * 8;
     T* dst = s_q + swizzled<kQChunks>(r, c - kQStagedChunks);
     if constexpr (kQStagedChunks > 0) {
-      if (c < kQStagedChunks) dst = s_kv + swizzled<kQStagedChunks>(r, c);
+      if (c < kQStagedChunks) dst = s_q_staged + swizzled<kQStagedChunks>(r, c);
     }
     cp_async_16(smem_addr(dst), src, token >= 0);
   }
@@ -166,9 +182,38 @@ __global__ void __launch_bounds__(MlaTile<kMTiles>::kThreads) mla_tree_verify_ke
   // Thread i gathers chunks i % 8 + 8 j (j < 9) of key rows i / 8 (+ 16): one slot id per row, and
   // (swizzle: chunk ^ (row & 7) changes only the low 3 bits) constant offsets between the chunks.
   const int gather_row = static_cast<int>(pinned(threadIdx.x / 8));
-  const T* gather_src = pinned(kv + threadIdx.x % 8 * 8);
+  const T* gather_src = pinned(static_cast<const T*>(p.kv_cache) + threadIdx.x % 8 * 8);  // 16-bit caches
   const uint32_t gather_dst = pinned(smem_addr(s_kv + swizzled<kChunks>(threadIdx.x / 8, threadIdx.x % 8)));
-  auto load_tile = [&](int t, int stage) {
+  // fp8: a row is kD bytes, 36 chunks, stored unswizzled (read once each, by the conversion).
+  constexpr int kByteChunks = kD / 16;
+  auto load_tile_fp8 = [&](int t, int stage) {
+    const int base = tile_base(t), end = tile_end(t);
+    const uint8_t* ids = s_idx + (t % Tile::kIdxStages) * kBlockN * 8;
+    for (int i = threadIdx.x; i < kBlockN * kByteChunks; i += kThreads) {
+      const int r = i / kByteChunks, c = i % kByteChunks;
+      const int64_t at = kv_start + base + r;
+      const int64_t slot = !(base + r < end && at >= 0 && at < p.num_indices) ? -1 : staged_slot_id(p, ids, r);
+      const bool valid = slot >= 0 && slot < p.num_slots;  // else a zero row
+      cp_async_16(smem_addr(s_kv + stage * Tile::kStageElems + r * kD + c * 16),
+                  kv + (valid ? slot : 0) * p.kv_stride_s + c * 16, valid);
+    }
+  };
+  // fp8: stage `stage`'s bytes -> the converted tile, 8 values (one 16-bit chunk) per step, so
+  // that 8 consecutive threads write 8 chunks of a row (8 bank groups, as swizzled).
+  auto convert_tile = [&](int stage) {
+    const bool e5m2 = p.kv_format == kKvE5M2;
+    const KvT* src = s_kv + stage * Tile::kStageElems;
+    for (int i = threadIdx.x; i < kBlockN * kChunks; i += kThreads) {
+      const int r = i / kChunks, c = i % kChunks;
+      const uint2 bytes = *reinterpret_cast<const uint2*>(src + r * kD + c * 8);
+      const uint4 h = make_uint4(fp8x2_to<T>(static_cast<uint16_t>(bytes.x & 0xffffu), e5m2),
+                                 fp8x2_to<T>(static_cast<uint16_t>(bytes.x >> 16), e5m2),
+                                 fp8x2_to<T>(static_cast<uint16_t>(bytes.y & 0xffffu), e5m2),
+                                 fp8x2_to<T>(static_cast<uint16_t>(bytes.y >> 16), e5m2));
+      *reinterpret_cast<uint4*>(s_conv + swizzled<kChunks>(r, c)) = h;
+    }
+  };
+  auto load_tile_16bit = [&](int t, int stage) {
     // 8 warps, 16 keys: the first 4 warps gather (warp-uniform)
     if (kBlockN * 8 < kThreads && threadIdx.x >= kBlockN * 8) return;
     const int base = tile_base(t), end = tile_end(t);
@@ -183,6 +228,13 @@ __global__ void __launch_bounds__(MlaTile<kMTiles>::kThreads) mla_tree_verify_ke
       const uint32_t dst = gather_dst + (stage * Tile::kStageElems + rr * (kThreads / 8) * kD) * 2;
 #pragma unroll
       for (int j = 0; j < kChunks / 8; ++j) cp_async_16(dst + j * 128, src + j * 64, valid);
+    }
+  };
+  auto load_tile = [&](int t, int stage) {
+    if constexpr (kFp8) {
+      load_tile_fp8(t, stage);
+    } else {
+      load_tile_16bit(t, stage);
     }
   };
 
@@ -235,7 +287,7 @@ __global__ void __launch_bounds__(MlaTile<kMTiles>::kThreads) mla_tree_verify_ke
   }
   // P (A of P V): rows mt * 16 + (lane / 8 % 2) * 8 + lane % 8, 8-key chunk 2 ks + lane / 16.
   const uint32_t p_lane = pinned(smem_addr(s_p) + ((lane / 8 % 2) * 8 + x7) * Tile::kPStride + (lane / 16) * 16);
-  const uint32_t kv_smem = smem_addr(s_kv);
+  const uint32_t kv_smem = smem_addr(s_kv), conv_smem = smem_addr(s_conv);
   const int s_col = static_cast<int>(pinned(nw * 8 + t4 * 2));  // the S unit's first key (of s[0], s[2])
   const int red_at = static_cast<int>(pinned((mw * 16 + g) * kNWarps + nw));  // s_red cell of row mw * 16 + g
   // A row's kNWarps cells (one per warp of its m tile) in one vector load.
@@ -267,10 +319,10 @@ __global__ void __launch_bounds__(MlaTile<kMTiles>::kThreads) mla_tree_verify_ke
   // The Q fragments of the first kQRegSteps k16 steps into registers (Tile::kQRegSteps).
   uint32_t q_reg[kQRegSteps > 0 ? kQRegSteps : 1][4];
   if constexpr (kQStagedChunks > 0) {
-    const uint32_t staged = smem_addr(s_kv) + q_row * kQStagedChunks * 16;
+    const uint32_t staged = smem_addr(s_q_staged) + q_row * kQStagedChunks * 16;
 #pragma unroll
     for (int kk = 0; kk < kQRegSteps; ++kk) ldmatrix_x4(q_reg[kk], staged + (((2 * kk + lane / 16) ^ x7) << 4));
-    __syncthreads();  // the staged Q columns are KV stage 0: tile 0 refills it
+    __syncthreads();  // the staged Q columns are KV stage 0 (tile 0 refills it) or the converted tile
   } else {
 #pragma unroll
     for (int kk = 0; kk < kQRegSteps; ++kk) ldmatrix_x4(q_reg[kk], q_off[kk % 4] + (kk / 4) * 128);
@@ -297,7 +349,15 @@ __global__ void __launch_bounds__(MlaTile<kMTiles>::kThreads) mla_tree_verify_ke
         cp_async_commit();
       }
     }
-    const uint32_t kv_s = kv_smem + stage * Tile::kStageElems * 2;
+    uint32_t kv_s = kv_smem + stage * Tile::kStageElems * 2;
+    if constexpr (kFp8) {
+      // 3 stages (no loop-top barrier): every warp has finished tile t - 1's P V, which read the
+      // converted tile, before it is overwritten; 2 stages: the loop-top barrier did that.
+      if constexpr (Tile::kStages == 3) __syncthreads();
+      convert_tile(stage);
+      __syncthreads();  // the converted tile visible
+      kv_s = conv_smem;
+    }
 
     // S unit: 16 rows x 8 keys over all 36 k16 steps, even and odd steps in two accumulator chains
     float s[4], s2[2][4] = {};
@@ -325,7 +385,7 @@ __global__ void __launch_bounds__(MlaTile<kMTiles>::kThreads) mla_tree_verify_ke
     const bool is_tail = t >= prefix_tiles;
     const bool full = !is_tail && base + kBlockN <= end;
 #pragma unroll
-    for (int e = 0; e < 4; ++e) s[e] = finite_or_nan(s[e] * p.sm_scale_log2);
+    for (int e = 0; e < 4; ++e) s[e] = finite_or_nan(s[e] * qk_scale_log2);
     if (!full) {
       const int first = base + s_col;  // key of s[0] and s[2]; s[1], s[3]: the next one
       const int left = end - first;              // keys of the pair before the end
@@ -453,7 +513,7 @@ __global__ void __launch_bounds__(MlaTile<kMTiles>::kThreads) mla_tree_verify_ke
       const int head = (row0 + r) % H;
       // l is 0 iff the row saw no key; NaN (a NaN logit) counts as seen: NaN output and lse.
       const bool seen = l != 0.f;
-      const float inv_l = seen ? 1.f / l : 0.f;
+      const float inv_l = seen ? v_scale / l : 0.f;  // v_scale: 1 but for fp8 caches
       const float lse2 = seen ? m_i[mt][h] + log2f(l) : -INFINITY;
       if (p.num_splits > 1) {
         const int64_t idx = (static_cast<int64_t>(split) * p.num_tokens + token) * H + head;
@@ -487,17 +547,18 @@ __global__ void mla_merge_splits_kernel(const MlaParams p) {
                   static_cast<T*>(p.out) + token * p.o_stride_t + head * p.o_stride_h, p.lse);
 }
 
-template <typename T, int kMTiles>
+template <typename T, int kMTiles, bool kFp8>
 cudaError_t launch(const MlaParams& p, cudaStream_t stream) {
-  constexpr int kSmem = MlaTile<kMTiles>::kSmemBytes;
+  using Tile = MlaTile<kMTiles, kFp8>;
+  constexpr int kSmem = Tile::kSmemBytes;
   int device = 0;
   const cudaError_t dev_err = cudaGetDevice(&device);
   if (dev_err != cudaSuccess) return dev_err;
-  const cudaError_t attr_err = opt_in_dynamic_smem_once<mla_tree_verify_kernel<T, kMTiles>, kSmem>(device);
+  const cudaError_t attr_err = opt_in_dynamic_smem_once<mla_tree_verify_kernel<T, kMTiles, kFp8>, kSmem>(device);
   if (attr_err != cudaSuccess) return attr_err;
   const int m_blocks = (p.max_rows + 16 * kMTiles - 1) / (16 * kMTiles);
   const dim3 grid(static_cast<unsigned>(p.num_requests) * m_blocks, p.num_splits);
-  mla_tree_verify_kernel<T, kMTiles><<<grid, MlaTile<kMTiles>::kThreads, kSmem, stream>>>(p);
+  mla_tree_verify_kernel<T, kMTiles, kFp8><<<grid, Tile::kThreads, kSmem, stream>>>(p);
   cudaError_t err = cudaGetLastError();
   if (err != cudaSuccess || p.num_splits == 1) return err;
   mla_merge_splits_kernel<T><<<static_cast<unsigned>(p.num_tokens) * p.num_heads, kMlaMergeThreads, 0, stream>>>(p);
@@ -506,9 +567,10 @@ cudaError_t launch(const MlaParams& p, cudaStream_t stream) {
 
 template <typename T>
 cudaError_t launch_for_rows(const MlaParams& p, cudaStream_t stream) {
-  const LaunchShape shape = mla_launch_shape(p.max_rows);
-#define SPEC_KERNELS_MLA_LAUNCH(M_TILES, REGS) \
-  if (shape.block_m == 16 * M_TILES) return launch<T, M_TILES>(p, stream);
+  const bool fp8 = p.kv_format != kKvLikeQ;
+  const LaunchShape shape = mla_launch_shape(p.max_rows, fp8);
+#define SPEC_KERNELS_MLA_LAUNCH(M_TILES, REGS, FP8_REGS) \
+  if (shape.block_m == 16 * M_TILES) return fp8 ? launch<T, M_TILES, true>(p, stream) : launch<T, M_TILES, false>(p, stream);
   SPEC_KERNELS_MLA_CONFIGS(SPEC_KERNELS_MLA_LAUNCH)
 #undef SPEC_KERNELS_MLA_LAUNCH
   return cudaErrorInvalidValue;

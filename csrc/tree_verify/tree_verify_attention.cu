@@ -17,8 +17,13 @@
 //
 // With num_splits > 1 every split writes a normalised partial output and its base-2 log-sum-exp;
 // merge_splits_kernel combines them in a fixed order (bitwise deterministic, no atomics).
+//
+// An fp8 cache (kFp8) is gathered as bytes and converted once per tile into K and V tiles of q's
+// dtype (TileConfig's comment says why); k_scale folds into the softmax scale, v_scale into the
+// output, as in the Triton kernel.
 #include <atomic>
 #include <cfloat>
+#include <type_traits>
 
 #include "spec_kernels/kv_index.cuh"
 #include "spec_kernels/launch_once.cuh"
@@ -30,26 +35,36 @@
 namespace spec_kernels {
 namespace {
 
-// The configurations (TileConfig<D, rows>) and the launch's choice among them:
+// The configurations (TileConfig<D, rows, fp8>) and the launch's choice among them:
 // spec_kernels/tree_verify_config.h.
 
-template <typename T, int D, int kRows>
-__global__ void __launch_bounds__(TileConfig<D, kRows>::kThreads, TileConfig<D, kRows>::kMinCtasPerSm)
+template <typename T, int D, int kRows, bool kFp8>
+__global__ void __launch_bounds__(TileConfig<D, kRows, kFp8>::kThreads, TileConfig<D, kRows, kFp8>::kMinCtasPerSm)
     tree_verify_kernel(const TreeVerifyParams p) {
-  using Cfg = TileConfig<D, kRows>;
+  using Cfg = TileConfig<D, kRows, kFp8>;
+  using KvT = std::conditional_t<kFp8, uint8_t, T>;
   constexpr int kWarps = Cfg::kWarps, kThreads = Cfg::kThreads;
   constexpr int kBlockM = Cfg::kBlockM;
   constexpr int kChunks = Cfg::kChunks;
   constexpr int kStageKeys = Cfg::kStageKeys;
   constexpr int kStages = Cfg::kStages;
   extern __shared__ __align__(128) uint8_t smem[];
-  T* s_k = reinterpret_cast<T*>(smem) + Cfg::kQElems;
-  T* s_v = s_k + kStages * kStageKeys * D;
+  // fp8: the converted K and V tiles (q's dtype) the fragments are loaded from.
+  T* s_kc = reinterpret_cast<T*>(smem) + Cfg::kQElems;
+  T* s_vc = s_kc + kStageKeys * D;
+  KvT* s_k = reinterpret_cast<KvT*>(smem + (Cfg::kQElems + Cfg::kConvertedElems) * 2);
+  KvT* s_v = s_k + kStages * kStageKeys * D;
   // Chunk c of Q row r: with Q in registers it is staged in the last K stage (rows 0-63) and the
-  // last V stage (rows 64-127), which the prologue does not fill; else in its own tile.
+  // last V stage (rows 64-127), which the prologue does not fill (fp8: in the converted K and V
+  // tiles); else in its own tile.
   auto q_chunk = [&](int r, int c) -> T* {
-    if constexpr (!Cfg::kQInRegs) return reinterpret_cast<T*>(smem) + swizzled<kChunks>(r, c);
-    return (r < kStageKeys ? s_k : s_v) + (kStages - 1) * kStageKeys * D + swizzled<kChunks>(r % kStageKeys, c);
+    if constexpr (!Cfg::kQInRegs) {
+      return reinterpret_cast<T*>(smem) + swizzled<kChunks>(r, c);
+    } else if constexpr (kFp8) {
+      return (r < kStageKeys ? s_kc : s_vc) + swizzled<kChunks>(r % kStageKeys, c);
+    } else {
+      return (r < kStageKeys ? s_k : s_v) + (kStages - 1) * kStageKeys * D + swizzled<kChunks>(r % kStageKeys, c);
+    }
   };
   uint8_t* s_idx = reinterpret_cast<uint8_t*>(s_v + kStages * kStageKeys * D);  // [kIdxStages][kStageKeys] x 8 B
 
@@ -90,8 +105,13 @@ __global__ void __launch_bounds__(TileConfig<D, kRows>::kThreads, TileConfig<D, 
   const int total_tiles = prefix_tiles + tail_tiles;
 
   const T* q = static_cast<const T*>(p.q);
-  const T* k_cache = static_cast<const T*>(p.k_cache) + kv_head * p.k_stride_h;
-  const T* v_cache = static_cast<const T*>(p.v_cache) + kv_head * p.v_stride_h;
+  const KvT* k_cache = static_cast<const KvT*>(p.k_cache) + kv_head * p.k_stride_h;
+  const KvT* v_cache = static_cast<const KvT*>(p.v_cache) + kv_head * p.v_stride_h;
+  float qk_scale_log2 = p.sm_scale_log2, v_scale = 1.f;
+  if constexpr (kFp8) {
+    qk_scale_log2 *= p.k_scale_ptr != nullptr ? *p.k_scale_ptr : p.k_scale;
+    v_scale = p.v_scale_ptr != nullptr ? *p.v_scale_ptr : p.v_scale;
+  }
 
   // ---- Q block (rows past rows_here are zero-filled)
   for (int i = threadIdx.x; i < kBlockM * kChunks; i += kThreads) {
@@ -123,22 +143,51 @@ __global__ void __launch_bounds__(TileConfig<D, kRows>::kThreads, TileConfig<D, 
     copy_slot_id_async(p, at, in_range, dst);
   };
 
+  // 16-byte chunks of a cached row: 8 elements (16-bit), or 16 (fp8: rows stored unswizzled,
+  // read once each by the conversion)
+  constexpr int kRowChunks = D * sizeof(KvT) / 16;
+  auto stage_chunk = [&](KvT* stage, int r, int c) -> KvT* {
+    if constexpr (kFp8) {
+      return stage + r * D + c * 16;
+    } else {
+      return stage + swizzled<kChunks>(r, c);
+    }
+  };
   auto load_tile = [&](int t, int stage) {
     if (t >= total_tiles) return;  // uniform over the CTA
     const int base = tile_base(t), end = tile_end(t);
-    T* dst_k = s_k + stage * kStageKeys * D;
-    T* dst_v = s_v + stage * kStageKeys * D;
+    KvT* dst_k = s_k + stage * kStageKeys * D;
+    KvT* dst_v = s_v + stage * kStageKeys * D;
     const uint8_t* ids = s_idx + (t % Cfg::kIdxStages) * kStageKeys * 8;
-    for (int i = threadIdx.x; i < kStageKeys * kChunks; i += kThreads) {
-      const int r = i / kChunks, c = i % kChunks;
+    for (int i = threadIdx.x; i < kStageKeys * kRowChunks; i += kThreads) {
+      const int r = i / kRowChunks, c = i % kRowChunks;
       // A slot id outside [0, S) (unchecked on the GPU unless in debug mode) is never followed: such a
       // key reads as a zero row (as in the reference and the Triton kernel).
       const int64_t at = kv_start + base + r;
       const bool in_range = base + r < end && at >= 0 && at < p.num_indices;
       const int64_t slot = !in_range ? 0 : staged_slot_id(p, ids, r);
       const bool valid = in_range && slot >= 0 && slot < p.num_slots;
-      cp_async_16(smem_addr(dst_k + swizzled<kChunks>(r, c)), k_cache + slot * p.k_stride_s + c * 8, valid);
-      cp_async_16(smem_addr(dst_v + swizzled<kChunks>(r, c)), v_cache + slot * p.v_stride_s + c * 8, valid);
+      constexpr int kElems = 16 / sizeof(KvT);
+      cp_async_16(smem_addr(stage_chunk(dst_k, r, c)), k_cache + slot * p.k_stride_s + c * kElems, valid);
+      cp_async_16(smem_addr(stage_chunk(dst_v, r, c)), v_cache + slot * p.v_stride_s + c * kElems, valid);
+    }
+  };
+
+  // fp8: stage `stage`'s bytes -> the converted tiles, 8 values (one 16-bit chunk) per step, so
+  // that 8 consecutive threads write the 8 chunks of a row segment (8 bank groups, as swizzled).
+  auto convert_tile = [&](int stage) {
+    const bool e5m2 = p.kv_format == kKvE5M2;
+    for (int i = threadIdx.x; i < 2 * kStageKeys * kChunks; i += kThreads) {
+      const bool is_v = i >= kStageKeys * kChunks;
+      const int j = is_v ? i - kStageKeys * kChunks : i;
+      const int r = j / kChunks, c = j % kChunks;
+      const KvT* src = (is_v ? s_v : s_k) + stage * kStageKeys * D;
+      const uint2 bytes = *reinterpret_cast<const uint2*>(src + r * D + c * 8);
+      const uint4 h = make_uint4(fp8x2_to<T>(static_cast<uint16_t>(bytes.x & 0xffffu), e5m2),
+                                 fp8x2_to<T>(static_cast<uint16_t>(bytes.x >> 16), e5m2),
+                                 fp8x2_to<T>(static_cast<uint16_t>(bytes.y & 0xffffu), e5m2),
+                                 fp8x2_to<T>(static_cast<uint16_t>(bytes.y >> 16), e5m2));
+      *reinterpret_cast<uint4*>((is_v ? s_vc : s_kc) + swizzled<kChunks>(r, c)) = h;
     }
   };
 
@@ -196,9 +245,18 @@ __global__ void __launch_bounds__(TileConfig<D, kRows>::kThreads, TileConfig<D, 
     cp_async_commit();
     cp_async_wait<kStages - 1>();  // tile t has landed
     __syncthreads();
-
-    const T* k_s = s_k + (t % kStages) * kStageKeys * D;
-    const T* v_s = s_v + (t % kStages) * kStageKeys * D;
+    const T* k_s;
+    const T* v_s;
+    if constexpr (kFp8) {
+      // The converted tiles were last read by the previous iteration, before its closing barrier.
+      convert_tile(t % kStages);
+      __syncthreads();
+      k_s = s_kc;
+      v_s = s_vc;
+    } else {
+      k_s = s_k + (t % kStages) * kStageKeys * D;
+      v_s = s_v + (t % kStages) * kStageKeys * D;
+    }
     const int base = tile_base(t), end = tile_end(t);
     const bool is_tail = t >= prefix_tiles;
     const int key0 = wn * keys_per_warp;  // this warp's first key within the tile
@@ -240,7 +298,7 @@ __global__ void __launch_bounds__(TileConfig<D, kRows>::kThreads, TileConfig<D, 
         if (j >= ntiles) continue;
 #pragma unroll
         for (int e = 0; e < 4; ++e) {
-          float x = finite_or_nan(s[j][e] * p.sm_scale_log2);
+          float x = finite_or_nan(s[j][e] * qk_scale_log2);
           if (!full) {
             const int pos = base + key0 + j * 8 + t4 * 2 + (e & 1);
             bool visible = pos < end;
@@ -362,7 +420,7 @@ __global__ void __launch_bounds__(TileConfig<D, kRows>::kThreads, TileConfig<D, 
     const int head = kv_head * group + row % group;
     // l is 0 iff the row saw no key; NaN (a NaN logit) counts as seen: NaN output and lse.
     const bool seen = l_i[h] != 0.f;
-    const float inv_l = seen ? 1.f / l_i[h] : 0.f;
+    const float inv_l = seen ? v_scale / l_i[h] : 0.f;  // v_scale: 1 but for fp8 caches
     const float lse2 = seen ? m_i[h] + log2f(l_i[h]) : -INFINITY;
     if (p.num_splits > 1) {
       const int64_t idx = (static_cast<int64_t>(split) * p.num_tokens + token) * p.num_q_heads + head;
@@ -414,14 +472,15 @@ cudaError_t device_smem(int device, int& per_sm, int& reserved) {
   return cudaSuccess;
 }
 
-template <typename T, int D, int kRows>
+template <typename T, int D, int kRows, bool kFp8>
 cudaError_t launch_config(const TreeVerifyParams& p, int device, cudaStream_t stream) {
-  using Cfg = TileConfig<D, kRows>;
-  const cudaError_t attr_err = opt_in_dynamic_smem_once<tree_verify_kernel<T, D, kRows>, Cfg::kSmemBytes>(device);
+  using Cfg = TileConfig<D, kRows, kFp8>;
+  const cudaError_t attr_err =
+      opt_in_dynamic_smem_once<tree_verify_kernel<T, D, kRows, kFp8>, Cfg::kSmemBytes>(device);
   if (attr_err != cudaSuccess) return attr_err;
   const int m_blocks = (p.max_rows + Cfg::kBlockM - 1) / Cfg::kBlockM;
   const dim3 grid(static_cast<unsigned>(p.num_requests) * p.num_kv_heads * m_blocks, p.num_splits);
-  tree_verify_kernel<T, D, kRows><<<grid, Cfg::kThreads, Cfg::kSmemBytes, stream>>>(p);
+  tree_verify_kernel<T, D, kRows, kFp8><<<grid, Cfg::kThreads, Cfg::kSmemBytes, stream>>>(p);
   cudaError_t err = cudaGetLastError();
   if (err != cudaSuccess || p.num_splits == 1) return err;
   merge_splits_kernel<T><<<p.num_tokens * p.num_q_heads, kTreeVerifyMergeThreads, 0, stream>>>(p);
@@ -434,9 +493,12 @@ cudaError_t launch(const TreeVerifyParams& p, cudaStream_t stream) {
   cudaError_t err = cudaGetDevice(&device);
   if (err == cudaSuccess) err = device_smem(device, per_sm, reserved);
   if (err != cudaSuccess) return err;
-  const LaunchShape shape = tree_verify_launch_shape(p.head_dim, p.max_rows, per_sm, reserved);
-#define SPEC_KERNELS_TV_LAUNCH(D, ROWS, REGS) \
-  if (shape.head_dim == D && shape.block_m == ROWS) return launch_config<T, D, ROWS>(p, device, stream);
+  const bool fp8 = p.kv_format != kKvLikeQ;
+  const LaunchShape shape = tree_verify_launch_shape(p.head_dim, p.max_rows, per_sm, reserved, fp8);
+#define SPEC_KERNELS_TV_LAUNCH(D, ROWS, REGS, FP8_REGS)                                            \
+  if (shape.head_dim == D && shape.block_m == ROWS) {                                              \
+    return fp8 ? launch_config<T, D, ROWS, true>(p, device, stream) : launch_config<T, D, ROWS, false>(p, device, stream); \
+  }
   SPEC_KERNELS_TREE_VERIFY_CONFIGS(SPEC_KERNELS_TV_LAUNCH)
 #undef SPEC_KERNELS_TV_LAUNCH
   return cudaErrorInvalidValue;  // no configuration for this head dim

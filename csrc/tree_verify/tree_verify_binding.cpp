@@ -4,6 +4,7 @@
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
 
+#include <cmath>
 #include <optional>
 #include <string>
 #include <vector>
@@ -40,7 +41,9 @@ void tree_verify_attention(const at::Tensor& q, const at::Tensor& k_cache, const
                            const std::optional<at::Tensor>& qo_indptr, const std::optional<at::Tensor>& tree_mask,
                            at::Tensor& out, const std::optional<at::Tensor>& lse,
                            const std::optional<at::Tensor>& o_partial, const std::optional<at::Tensor>& lse_partial,
-                           double sm_scale, int64_t num_splits, int64_t min_chunk, int64_t max_rows) {
+                           double sm_scale, int64_t num_splits, int64_t min_chunk, int64_t max_rows,
+                           double k_scale, double v_scale, const std::optional<at::Tensor>& k_scale_tensor,
+                           const std::optional<at::Tensor>& v_scale_tensor) {
   TORCH_CHECK(q.is_cuda(), "q must be a CUDA tensor, got device ", q.device());
   const at::Device dev = q.device();
   TORCH_CHECK(q.scalar_type() == at::kHalf || q.scalar_type() == at::kBFloat16,
@@ -49,8 +52,11 @@ void tree_verify_attention(const at::Tensor& q, const at::Tensor& k_cache, const
               "q, k_cache and v_cache must be 3-D ([T, Hq, D], [S, Hkv, D], [S, Hkv, D])");
   for (const auto& [t, name] : {std::pair{&q, "q"}, {&k_cache, "k_cache"}, {&v_cache, "v_cache"}, {&out, "out"}}) {
     check_cuda(*t, name, dev);
-    TORCH_CHECK(t->scalar_type() == q.scalar_type(), name, " must have q's dtype ", q.scalar_type());
   }
+  TORCH_CHECK(out.scalar_type() == q.scalar_type(), "out must have q's dtype ", q.scalar_type());
+  const KvFormat kv_format = check_kv_format(q, k_cache, "k_cache", k_scale, v_scale, k_scale_tensor, v_scale_tensor);
+  TORCH_CHECK(v_cache.scalar_type() == k_cache.scalar_type(), "v_cache must have k_cache's dtype ",
+              k_cache.scalar_type(), ", got ", v_cache.scalar_type());
   const int64_t T = q.size(0), Hq = q.size(1), D = q.size(2), S = k_cache.size(0), Hkv = k_cache.size(1);
   TORCH_CHECK(D == 64 || D == 128 || D == 256, "head dim must be 64, 128 or 256, got ", D);
   check_shape(k_cache, "k_cache", {S, Hkv, D});
@@ -84,6 +90,9 @@ void tree_verify_attention(const at::Tensor& q, const at::Tensor& k_cache, const
   // cp.async moves 16-byte chunks of q/k/v rows; a view with an odd storage offset would fault.
   for (const auto& [t, name] : {std::pair{&q, "q"}, {&k_cache, "k_cache"}, {&v_cache, "v_cache"}, {&out, "out"}}) {
     TORCH_CHECK(reinterpret_cast<uintptr_t>(t->data_ptr()) % 16 == 0, name, " must be 16-byte aligned");
+    const int64_t chunk = 16 / static_cast<int64_t>(t->element_size());  // elements per 16-byte chunk
+    TORCH_CHECK(t->stride(2) == 1 && t->stride(1) % chunk == 0 && t->stride(0) % chunk == 0, name,
+                " must have a unit last stride and the others multiples of 16 bytes, got strides ", t->strides());
   }
   TORCH_CHECK(num_splits * T * Hq < (int64_t{1} << 31) && B * Hkv * (Hq / Hkv) * 64 < (int64_t{1} << 31),
               "batch too large for 32-bit grid indexing");
@@ -107,6 +116,7 @@ void tree_verify_attention(const at::Tensor& q, const at::Tensor& k_cache, const
   p.head_dim = static_cast<int>(D);
   p.num_slots = S;
   p.num_indices = kv_indices.numel();
+  fill_kv_format(p, kv_format);
   const int64_t group = Hq / Hkv;
   TORCH_CHECK(max_rows >= 1 && max_rows <= spec_kernels::kMaxDraftTokens * group,
               "max_rows must be in [1, 64 * Hq / Hkv], got ", max_rows);
@@ -118,20 +128,22 @@ void tree_verify_attention(const at::Tensor& q, const at::Tensor& k_cache, const
 }
 
 std::vector<int64_t> tree_verify_launch_config(int64_t head_dim, int64_t max_rows, int64_t smem_per_sm,
-                                               int64_t smem_reserved_per_cta) {
+                                               int64_t smem_reserved_per_cta, bool kv_fp8) {
   TORCH_CHECK(max_rows >= 1 && max_rows <= (1 << 30), "max_rows must be in [1, 2^30], got ", max_rows);
   TORCH_CHECK(smem_per_sm >= 0 && smem_per_sm <= (1 << 30), "smem_per_sm must be in [0, 2^30], got ", smem_per_sm);
   TORCH_CHECK(smem_reserved_per_cta >= 0 && smem_reserved_per_cta <= (1 << 20),
               "smem_reserved_per_cta must be in [0, 2^20], got ", smem_reserved_per_cta);
   TORCH_CHECK(head_dim >= 0 && head_dim <= (1 << 20), "head_dim must be in [0, 2^20], got ", head_dim);
   return shape_values(tree_verify_launch_shape(static_cast<int>(head_dim), static_cast<int>(max_rows),
-                                               static_cast<int>(smem_per_sm), static_cast<int>(smem_reserved_per_cta)));
+                                               static_cast<int>(smem_per_sm), static_cast<int>(smem_reserved_per_cta),
+                                               kv_fp8));
 }
 
 std::string tree_verify_configs() {
   std::string s;
-#define SPEC_KERNELS_TV_LINE(D, ROWS, REGS) \
-  s += shape_line("tree_verify_kernel", #D "," #ROWS, tree_verify_instance_shape<D, ROWS, REGS>());
+#define SPEC_KERNELS_TV_LINE(D, ROWS, REGS, FP8_REGS)                                                  \
+  s += shape_line("tree_verify_kernel", #D "," #ROWS ",false", tree_verify_instance_shape<D, ROWS, false, REGS>()); \
+  s += shape_line("tree_verify_kernel", #D "," #ROWS ",true", tree_verify_instance_shape<D, ROWS, true, FP8_REGS>());
   SPEC_KERNELS_TREE_VERIFY_CONFIGS(SPEC_KERNELS_TV_LINE)
 #undef SPEC_KERNELS_TV_LINE
   return s;

@@ -91,12 +91,11 @@ FP8_QUERY_DTYPES = (torch.float16, torch.bfloat16)
 
 
 def cuda_cache_dtype_refusal(q_dtype: torch.dtype, cache_dtype: torch.dtype) -> Optional[str]:
-    """Why a CUDA attention kernel (compiled for caches of the query dtype only) declines this cache,
-    or None when the dtypes agree."""
-    if cache_dtype == q_dtype:
+    """Why a CUDA attention kernel (compiled for caches of the query dtype and fp8 caches, for
+    fp16 / bf16 queries) declines this cache, or None when it has an instance for it."""
+    if cache_dtype == q_dtype or (cache_dtype in KV_FP8_DTYPES and q_dtype in FP8_QUERY_DTYPES):
         return None
-    hint = " yet (Triton reads fp8 caches)" if cache_dtype in KV_FP8_DTYPES else ""
-    return f"the CUDA kernel has no instance for a {cache_dtype} KV cache with {q_dtype} queries{hint}"
+    return f"the CUDA kernel has no instance for a {cache_dtype} KV cache with {q_dtype} queries"
 
 
 @dataclass(frozen=True)

@@ -8,7 +8,7 @@ from typing import Optional
 import torch
 
 from .._ops import cuda_ops, kernel_config, mla_launch_config
-from ..attention.checks import cuda_cache_dtype_refusal
+from ..attention.checks import KV_FP8_DTYPES, NO_SCALES, KvScales, cuda_cache_dtype_refusal
 from ..attention.plan import KernelResources, SplitWorkspace, expected_rows, max_rows, mean_prefix
 from ..attention.plan import num_kv_splits as plan_splits
 
@@ -33,21 +33,25 @@ def supports(q, kv_cache, v_head_dim, *_) -> Optional[str]:
                 f"(DeepSeek-V3 / Kimi K2.5), got {q.shape[2]} / {v_head_dim}")
     if q.data_ptr() % 16 or kv_cache.data_ptr() % 16:
         return "the CUDA kernel copies 16-byte chunks: q and kv_cache must start 16-byte aligned"
+    if kv_cache.stride(1) != 1 or kv_cache.stride(0) % (16 // kv_cache.element_size()):
+        return (f"the CUDA kernel copies 16-byte chunks of rows: kv_cache's strides {tuple(kv_cache.stride())} are"
+                " not a unit last stride and a row stride of a multiple of 16 bytes")
     return None
 
 
 def auto_splits(device: torch.device, num_tokens: int, num_requests: int, num_heads: int, num_indices: int,
-                decode: bool, max_draft_tokens: int = 0) -> int:
+                decode: bool, max_draft_tokens: int = 0, kv_fp8: bool = False) -> int:
     """KV splits the CUDA launch plans for this batch layout (never from tensor values): for the
     rows that hold work in an even batch, on the configuration the launch takes."""
     rows = max_rows(num_tokens, num_heads, decode, max_draft_tokens)
     work = expected_rows(num_tokens, num_requests, num_heads, decode, max_draft_tokens)
-    return plan_splits(device, num_requests, 1, work, block_m(rows), cuda_mla_resources(block_m(rows)),
+    return plan_splits(device, num_requests, 1, work, block_m(rows), cuda_mla_resources(block_m(rows), kv_fp8),
                        mean_prefix(num_indices, num_requests, work, num_heads))
 
 
 def mla_tree_verify_attention(q, kv_cache, kv_indptr, kv_indices, qo_indptr, tree_mask, sm_scale, v_head_dim,
-                              out, lse, num_kv_splits=0, max_draft_tokens=0, workspace=None) -> None:
+                              out, lse, num_kv_splits=0, max_draft_tokens=0, workspace=None,
+                              scales: KvScales = NO_SCALES) -> None:
     T, H, _ = q.shape
     B = kv_indptr.numel() - 1
     if T == 0 or B == 0:  # nothing to compute (every n_b = 0, or no request); a 0-row grid is no launch
@@ -56,16 +60,19 @@ def mla_tree_verify_attention(q, kv_cache, kv_indptr, kv_indices, qo_indptr, tre
     rows = max_rows(T, H, decode, max_draft_tokens)  # sizes the grid (and the tile): every valid n_b fits
     if workspace is None:  # the one-call path: planned here as MlaPlan plans it
         workspace = SplitWorkspace.plan(
-            num_kv_splits, lambda: auto_splits(q.device, T, B, H, kv_indices.numel(), decode, max_draft_tokens),
+            num_kv_splits, lambda: auto_splits(q.device, T, B, H, kv_indices.numel(), decode, max_draft_tokens,
+                                               kv_cache.dtype in KV_FP8_DTYPES),
             T, H, v_head_dim, q.device)
     cuda_ops().mla_tree_verify_attention(q, kv_cache, kv_indptr, kv_indices, qo_indptr, tree_mask, out, lse,
                                          workspace.o_partial, workspace.lse_partial, sm_scale, workspace.splits,
-                                         workspace.min_chunk, rows)
+                                         workspace.min_chunk, rows, scales.k, scales.v, scales.k_tensor,
+                                         scales.v_tensor)
 
 
-def cuda_mla_resources(block_m: int) -> KernelResources:
+def cuda_mla_resources(block_m: int, kv_fp8: bool = False) -> KernelResources:
     """Threads, registers and dynamic shared memory of the compiled configuration with block_m
-    rows per CTA, as the extension reports them (MlaTile and the list of configurations in
-    csrc/include/spec_kernels/mla_config.h). ValueError when there is none."""
-    c = kernel_config(KERNEL, HEAD_DIM, block_m)
+    rows per CTA (kv_fp8: its fp8-cache instance), as the extension reports them (MlaTile and the
+    list of configurations in csrc/include/spec_kernels/mla_config.h). ValueError when there is
+    none."""
+    c = kernel_config(KERNEL, HEAD_DIM, block_m, kv_fp8)
     return KernelResources(c.threads, c.regs, c.smem_bytes)

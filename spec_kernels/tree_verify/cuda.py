@@ -8,23 +8,25 @@ from typing import Callable, Optional
 import torch
 
 from .._ops import cuda_ops, kernel_config, kernel_configs, tree_verify_launch_config
-from ..attention.checks import cuda_cache_dtype_refusal
+from ..attention.checks import KV_FP8_DTYPES, NO_SCALES, KvScales, cuda_cache_dtype_refusal
 from ..attention.plan import DeviceLimits, KernelResources, SplitWorkspace, expected_rows, max_rows, mean_prefix
 from ..attention.plan import num_kv_splits as plan_splits
 
 KERNEL = "tree_verify_kernel"
 
 
-def cuda_tree_verify_resources(head_dim: int, block_m: int = 64) -> KernelResources:
+def cuda_tree_verify_resources(head_dim: int, block_m: int = 64, kv_fp8: bool = False) -> KernelResources:
     """Threads, registers and dynamic shared memory of the compiled configuration (head_dim,
-    block_m rows per CTA), as the extension reports them (TileConfig<D, rows> and the list of
-    configurations in csrc/include/spec_kernels/tree_verify_config.h). ValueError when there is
-    no such configuration, RuntimeError without the extension."""
-    c = kernel_config(KERNEL, head_dim, block_m)
+    block_m rows per CTA; kv_fp8: its fp8-cache instance), as the extension reports them
+    (TileConfig<D, rows, fp8> and the list of configurations in
+    csrc/include/spec_kernels/tree_verify_config.h). ValueError when there is no such
+    configuration, RuntimeError without the extension."""
+    c = kernel_config(KERNEL, head_dim, block_m, kv_fp8)
     return KernelResources(c.threads, c.regs, c.smem_bytes)
 
 
-def cuda_tree_verify_block_m(head_dim: int, rows: int, limits: Optional[DeviceLimits] = None) -> int:
+def cuda_tree_verify_block_m(head_dim: int, rows: int, limits: Optional[DeviceLimits] = None,
+                             kv_fp8: bool = False) -> int:
     """Rows per CTA of the configuration a CUDA launch of `rows` (max_rows) takes on a device with
     `limits` (the launch's own choice, read from the extension): at D = 128, 128 for more than 64
     rows and 32 for at most 16 rows where two such CTAs fit on an SM and two 64-row ones do not
@@ -32,12 +34,13 @@ def cuda_tree_verify_block_m(head_dim: int, rows: int, limits: Optional[DeviceLi
     are one CTA either way). 0 for a head dim without a configuration (supports() sends such
     calls to Triton)."""
     per_sm, reserved = (limits.smem_per_sm, limits.smem_reserved_per_cta) if limits is not None else (0, 0)
-    return tree_verify_launch_config(head_dim, max(rows, 1), per_sm, reserved).block_m
+    return tree_verify_launch_config(head_dim, max(rows, 1), per_sm, reserved, kv_fp8).block_m
 
 
-def cuda_tree_verify_kernel(head_dim: int, rows: int) -> Callable[[DeviceLimits], KernelResources]:
+def cuda_tree_verify_kernel(head_dim: int, rows: int, kv_fp8: bool = False) -> Callable[[DeviceLimits], KernelResources]:
     """The resources of the configuration a launch of `rows` (max_rows) takes on a device."""
-    return lambda limits: cuda_tree_verify_resources(head_dim, cuda_tree_verify_block_m(head_dim, rows, limits))
+    return lambda limits: cuda_tree_verify_resources(head_dim, cuda_tree_verify_block_m(head_dim, rows, limits, kv_fp8),
+                                                     kv_fp8)
 
 
 def supports(q, k_cache, v_cache, *_) -> Optional[str]:
@@ -52,23 +55,29 @@ def supports(q, k_cache, v_cache, *_) -> Optional[str]:
         return f"the CUDA kernel needs the V head dim ({v_cache.shape[2]}) equal to Q's ({q.shape[2]})"
     if q.device.type == "cuda" and any(t.data_ptr() % 16 for t in (q, k_cache, v_cache)):
         return "the CUDA kernel copies 16-byte chunks: q, k_cache and v_cache must be 16-byte aligned"
+    for t, name in ((q, "q"), (k_cache, "k_cache"), (v_cache, "v_cache")):
+        chunk = 16 // t.element_size()
+        if t.stride(2) != 1 or t.stride(1) % chunk or t.stride(0) % chunk:
+            return (f"the CUDA kernel copies 16-byte chunks of rows: {name}'s strides {tuple(t.stride())} are not"
+                    " a unit last stride and multiples of 16 bytes")
     return None
 
 
 def auto_splits(device: torch.device, num_tokens: int, num_requests: int, num_q_heads: int, num_kv_heads: int,
-                head_dim: int, num_indices: int, decode: bool, max_draft_tokens: int = 0) -> int:
+                head_dim: int, num_indices: int, decode: bool, max_draft_tokens: int = 0, kv_fp8: bool = False) -> int:
     """KV splits the CUDA launch plans for this batch layout (never from tensor values): for the
     rows that hold work in an even batch, on the configuration the launch takes."""
     group = num_q_heads // num_kv_heads
     rows = max_rows(num_tokens, group, decode, max_draft_tokens)
     work = expected_rows(num_tokens, num_requests, group, decode, max_draft_tokens)
-    block_m = cuda_tree_verify_block_m(head_dim, rows)  # rows per CTA: 32 (decode) counts as 64
-    return plan_splits(device, num_requests, num_kv_heads, work, block_m, cuda_tree_verify_kernel(head_dim, rows),
+    block_m = cuda_tree_verify_block_m(head_dim, rows, kv_fp8=kv_fp8)  # rows per CTA: 32 (decode) counts as 64
+    return plan_splits(device, num_requests, num_kv_heads, work, block_m, cuda_tree_verify_kernel(head_dim, rows, kv_fp8),
                        mean_prefix(num_indices, num_requests, work, group))
 
 
 def tree_verify_attention(q, k_cache, v_cache, kv_indptr, kv_indices, qo_indptr, tree_mask, sm_scale,
-                          out, lse, num_kv_splits=0, max_draft_tokens=0, workspace=None) -> None:
+                          out, lse, num_kv_splits=0, max_draft_tokens=0, workspace=None,
+                          scales: KvScales = NO_SCALES) -> None:
     T, Hq, D = q.shape
     Hkv = k_cache.shape[1]
     B = kv_indptr.numel() - 1
@@ -79,7 +88,8 @@ def tree_verify_attention(q, k_cache, v_cache, kv_indptr, kv_indices, qo_indptr,
     if workspace is None:  # the one-call path: planned here as TreeVerifyPlan plans it
         workspace = SplitWorkspace.plan(
             num_kv_splits, lambda: auto_splits(q.device, T, B, Hq, Hkv, D, kv_indices.numel(), decode,
-                                               max_draft_tokens), T, Hq, D, q.device)
+                                               max_draft_tokens, k_cache.dtype in KV_FP8_DTYPES), T, Hq, D, q.device)
     cuda_ops().tree_verify_attention(q, k_cache, v_cache, kv_indptr, kv_indices, qo_indptr, tree_mask,
                                      out, lse, workspace.o_partial, workspace.lse_partial, sm_scale,
-                                     workspace.splits, workspace.min_chunk, rows)
+                                     workspace.splits, workspace.min_chunk, rows, scales.k, scales.v,
+                                     scales.k_tensor, scales.v_tensor)

@@ -16,7 +16,7 @@ import torch
 
 from .._checks import FLOAT_DTYPES, check_shape, check_tensor
 from ..attention.batch import BatchLayout
-from ..attention.checks import check_kv_scales, check_num_kv_splits, check_out, kv_cache_dtypes, softmax_scale
+from ..attention.checks import KV_FP8_DTYPES, check_kv_scales, check_num_kv_splits, check_out, kv_cache_dtypes, softmax_scale
 from ..attention.plan import SplitWorkspace
 from . import cuda as cuda_binding
 from . import triton_kernel
@@ -78,7 +78,8 @@ class TreeVerifyPlan:
         self.impl, _ = TREE_VERIFY.select(dev, impl or None, args=tuple(meta))
         planners = {  # each implementation's split planner, as its one-call launch uses it
             "cuda": lambda: cuda_binding.auto_splits(dev, T, B, num_q_heads, num_kv_heads, head_dim,
-                                                     kv_indices.numel(), layout.decode, layout.max_draft_tokens),
+                                                     kv_indices.numel(), layout.decode, layout.max_draft_tokens,
+                                                     kv_dtype in KV_FP8_DTYPES),
             "triton": lambda: triton_kernel.auto_splits(dev, T, B, num_q_heads, num_kv_heads, head_dim, v_head_dim,
                                                         kv_dtype, kv_indices.numel(), layout.decode,
                                                         layout.max_draft_tokens),

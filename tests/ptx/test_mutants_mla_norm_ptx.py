@@ -138,6 +138,28 @@ MUTANTS = {
 }
 
 # Host code (not in the PTX): (file, what, the .cu text the glue mirrors, glue old text, glue new text, caught by)
+# Mutants of the fp8-cache instances (byte stages converted per tile), run on the fp8 cases of
+# every configuration (run_mla_fp8).
+MUTANTS.update({
+    "mla_v_scale_dropped_fp8": (MLA, "the output is not multiplied by v_scale",
+                                "seen ? v_scale / l : 0.f", "seen ? 1.f / l : 0.f", "mismatch"),
+    "mla_k_scale_tensor_ignored_fp8": (MLA, "k_scale_tensor ignored (the host k_scale is used)",
+                                       "qk_scale_log2 *= p.k_scale_ptr != nullptr ? *p.k_scale_ptr : p.k_scale;",
+                                       "qk_scale_log2 *= p.k_scale;", "mismatch"),
+    "mla_e5m2_read_as_e4m3_fp8": (MLA, "an e5m2 cache converted as e4m3",
+                                  "const bool e5m2 = p.kv_format == kKvE5M2;", "const bool e5m2 = false;", "mismatch"),
+    "mla_no_barrier_after_conversion_fp8": (MLA, "no __syncthreads between converting a tile and reading it",
+                                            "convert_tile(stage);\n      __syncthreads();", "convert_tile(stage);",
+                                            RACE),
+    "mla_no_barrier_before_conversion_fp8": (MLA, "3 stages: the conversion overwrites the tile tile t - 1's P V reads",
+                                             "if constexpr (Tile::kStages == 3) __syncthreads();", "", RACE),
+    "mla_conversion_reads_the_neighbour_fp8": (MLA, "a converted chunk reads the bytes of its neighbour chunk",
+                                               "src + r * kD + c * 8);", "src + r * kD + (c ^ 1) * 8);", "mismatch"),
+    "mla_gather_half_row_stride_fp8": (MLA, "fp8 rows gathered kD / 2 bytes apart in the stage",
+                                     "s_kv + stage * Tile::kStageElems + r * kD + c * 16",
+                                     "s_kv + stage * Tile::kStageElems + r * (kD / 2) + c * 16", RACE),
+})
+
 HOST_MUTANTS = {
     "norm_vector_path_any_hidden": (
         NORM, "launch_typed: vector path without the hidden % kVec == 0 test",
@@ -191,7 +213,7 @@ def run_mla64(ops, monkeypatch):
     monkeypatch.setattr(mla_cuda, "cuda_ops", lambda: ops)
     c = mla.make_case([5], [40], 9, torch.bfloat16, seed=8)
     out, lse, ref, ref_lse = mla.run_both(c, splits=1)
-    assert [name for name, *_ in ops.launches][0].endswith("Li4E")
+    assert [name for name, *_ in ops.launches][0].endswith("Li4ELb0E")
     mla.assert_matches(c, out, lse, ref, ref_lse)
 
 
@@ -206,11 +228,23 @@ def run_mla_late_first_key(ops, monkeypatch):
     mla.assert_matches(c, out, lse, ref, ref_lse)
 
 
+def run_mla_fp8(ops, monkeypatch):
+    # fp8 caches on each configuration: 12 rows (16-row CTA, 2 stages), e4m3 with tensor scales;
+    # 21 rows (32-row CTA, 3 stages), e5m2; 45 rows (64-row CTA, Q columns staged in the converted
+    # tile), e4m3; each with several prefix tiles and a tail tile
+    import test_mla_fp8_ptx as fp8
+
+    monkeypatch.setattr(mla_cuda, "cuda_ops", lambda: ops)
+    fp8.check(mla.make_case([3], [40], 4, torch.bfloat16, seed=5), fp8.E4, splits=1, tensor_scales=True)
+    fp8.check(mla.make_case([3], [40], 7, torch.float16, seed=6), fp8.E5, splits=1)
+    fp8.check(mla.make_case([5], [40], 9, torch.bfloat16, seed=8), fp8.E4, splits=2)
+
+
 RUNNERS = {MLA: run_mla, ROW: run_norm, NORM: run_norm}
 
 
 def runner(name, path):
-    special = {"_bm32": run_mla32, "_bm64": run_mla64, "_latekey": run_mla_late_first_key}
+    special = {"_bm32": run_mla32, "_bm64": run_mla64, "_latekey": run_mla_late_first_key, "_fp8": run_mla_fp8}
     return next((run for end, run in special.items() if name.endswith(end)), RUNNERS[path])
 
 
@@ -225,8 +259,8 @@ def _caught(name, what, expect, run):
         f"{name}: expected to be caught by {expect}, got {got}: {first}"
 
 
-@pytest.mark.parametrize("run", [run_mla, run_mla32, run_mla64, run_mla_late_first_key, run_norm],
-                         ids=["mla", "mla32", "mla64", "mla-late-key", "norm"])
+@pytest.mark.parametrize("run", [run_mla, run_mla32, run_mla64, run_mla_late_first_key, run_mla_fp8, run_norm],
+                         ids=["mla", "mla32", "mla64", "mla-late-key", "mla-fp8", "norm"])
 def test_unmutated_case_passes(run, monkeypatch):
     run(PtxCudaOps(), monkeypatch)
 

@@ -113,26 +113,65 @@ def run_tree_verify_wide(ops):
     # 3 tiles each (the 3-stage ring), a tree tail
     case = make_case([16, 5], [130, 20], hq=8, hkv=1, d=128, dtype=torch.bfloat16, kind="random", seed=13)
     out, lse = tv.run_ptx(case, ops)
-    assert [l[0] for l in ops.launches][0].endswith("Li128ELi128E")
+    assert [l[0] for l in ops.launches][0].endswith("Li128ELi128ELb0E")
     ref, ref_lse = tv.reference(case)
     torch.testing.assert_close(out.float(), ref.float(), atol=2e-2, rtol=2e-2, equal_nan=True)
     torch.testing.assert_close(lse, ref_lse.float(), atol=1e-4, rtol=1e-4, equal_nan=True)
 
 
+# Mutants of the fp8-cache instances (byte stages converted per tile), run on fp8 cases.
+FP8_MUTANTS = {
+    "fp8_v_scale_dropped": (TV, "the output is not multiplied by v_scale",
+                            "seen ? v_scale / l_i[h] : 0.f", "seen ? 1.f / l_i[h] : 0.f"),
+    "fp8_k_scale_tensor_ignored": (TV, "k_scale_tensor ignored (the host k_scale is used)",
+                                   "qk_scale_log2 *= p.k_scale_ptr != nullptr ? *p.k_scale_ptr : p.k_scale;",
+                                   "qk_scale_log2 *= p.k_scale;"),
+    "fp8_e5m2_read_as_e4m3": (TV, "an e5m2 cache converted as e4m3",
+                              "const bool e5m2 = p.kv_format == kKvE5M2;", "const bool e5m2 = false;"),
+    "fp8_no_barrier_after_conversion": (TV, "no __syncthreads between converting a tile and reading it",
+                                        "convert_tile(t % kStages);\n      __syncthreads();",
+                                        "convert_tile(t % kStages);"),
+    "fp8_converted_from_stage_0": (TV, "every tile converted from stage 0",
+                                   "convert_tile(t % kStages);", "convert_tile(0);"),
+    "fp8_conversion_reads_the_neighbour": (TV, "a converted chunk reads the bytes of its neighbour chunk",
+                                           "src + r * D + c * 8);", "src + r * D + (c ^ 1) * 8);"),
+    "fp8_byte_stage_row_stride_halved": (TV, "fp8 stage rows D / 2 bytes apart",
+                                         "return stage + r * D + c * 16;", "return stage + r * (D / 2) + c * 16;"),
+}
+
+
+def run_tree_verify_fp8(ops_for):
+    # D = 128 (3 stages, 5 tiles per split), a tree tail, 2 splits, tensor scales, e4m3; then
+    # D = 64 e5m2 with host scales; then sm_120's 32-row decode configuration (e4m3)
+    import test_tree_verify_fp8_ptx as fp8
+
+    case = make_case([6, 3, 2], [520, 20, 0], hq=4, hkv=1, d=128, dtype=torch.bfloat16, kind="random", seed=11)
+    fp8.check(case, fp8.E4, torch.bfloat16, ops=ops_for(), tensor_scales=True, splits=2)
+    case = make_case([5, 4], [200, 30], hq=4, hkv=2, d=64, dtype=torch.float16, kind="random", seed=12)
+    fp8.check(case, fp8.E5, torch.float16, ops=ops_for())
+    case = make_case([1, 1], [300, 40], hq=8, hkv=2, d=128, dtype=torch.bfloat16, seed=12)
+    fp8.check(case, fp8.E4, torch.bfloat16, ops=ops_for(), decode=True, splits=2)
+
+
 def test_unmutated_case_passes():
     run_tree_verify(PtxCudaOps())
     run_tree_verify_wide(PtxCudaOps())
+    run_tree_verify_fp8(PtxCudaOps)
 
 
 # Each mutant with the case that runs its configuration.
 CASES = {**{name: (MUTANTS[name], run_tree_verify) for name in MUTANTS},
-         **{name: (WIDE_MUTANTS[name], run_tree_verify_wide) for name in WIDE_MUTANTS}}
+         **{name: (WIDE_MUTANTS[name], run_tree_verify_wide) for name in WIDE_MUTANTS},
+         **{name: (FP8_MUTANTS[name], "fp8") for name in FP8_MUTANTS}}
 
 
 @pytest.mark.parametrize("name", sorted(CASES))
 def test_mutant_is_caught(name):
     (path, what, old, new), run = CASES[name]
-    ops = PtxCudaOps(patched={path: patched(path, old, new)})
+    source = patched(path, old, new)
     with pytest.raises((AssertionError, SimError)) as info:
-        run(ops)
+        if run == "fp8":  # a fresh PtxCudaOps (its memory) per case, all with the mutant
+            run_tree_verify_fp8(lambda: PtxCudaOps(patched={path: source}))
+        else:
+            run(PtxCudaOps(patched={path: source}))
     print(f"{name} ({what}) caught: {str(info.value).splitlines()[0][:200]}")

@@ -15,4 +15,14 @@ def test_report_runs_and_compares(tmp_path, capsys):
     doc = json.loads(out.read_text())
     names = {b["name"] for b in doc["benchmarks"]}
     assert "ptxsim::tree_verify_kernel[verify16_bf16_d128_L80_group8]::k_bytes_read_over_ideal" in names
+    # the fp8-cache rows read each referenced byte once too: half the bytes of the bf16 rows
+    ratios, header = {}, ""
+    for line in text.splitlines():
+        if not line.startswith(" "):
+            header = line
+        elif "x a bf16 cache's" in line and header.startswith("tree_verify_kernel"):
+            ratios[header.split()[1]] = line.split(" x a bf16")[0].split()[-1]
+    assert len(ratios) == 6, text
+    assert {s: r for s, r in ratios.items() if "kv_fp8e4m3" in s} == {s: "0.500" for s in ratios if "kv_fp8e4m3" in s}
+    assert {r for s, r in ratios.items() if "kv_fp8e4m3" not in s} == {"1.000"}
     assert bench_main(["compare", str(out), str(out)]) == 0

@@ -70,7 +70,7 @@ def test_decode_matches_reference(dtype, splits, d):
     case = make_case([1, 1, 1], [9, 66, 1 if d == 64 else 260], hq=8, hkv=2, d=d, dtype=dtype, seed=3)
     ops = check(case, dtype, decode=True, splits=splits)
     # sm_120 (100 KB per SM): D = 128 decode takes the small configuration (two CTAs per SM)
-    small = [l[0] for l in ops.launches if l[0].startswith("tree_verify_kernel")][0].endswith("Li32E")
+    small = [l[0] for l in ops.launches if l[0].startswith("tree_verify_kernel")][0].endswith("Li32ELb0E")
     assert small == (d == 128)
 
 
@@ -80,7 +80,7 @@ def test_decode_sm90a_large_configuration():
     case = make_case([1, 1], [300, 5], hq=8, hkv=1, d=128, dtype=torch.bfloat16, seed=4)
     ops = PtxCudaOps(arch="sm_90a")
     out, lse = run_ptx(case, ops, decode=True)
-    assert [l[0] for l in ops.launches] == ["tree_verify_kernelI13__nv_bfloat16Li128ELi64E"]
+    assert [l[0] for l in ops.launches] == ["tree_verify_kernelI13__nv_bfloat16Li128ELi64ELb0E"]
     ref, ref_lse = reference(case, decode=True)
     torch.testing.assert_close(out.float(), ref.float(), atol=TOL[torch.bfloat16], rtol=TOL[torch.bfloat16])
     torch.testing.assert_close(lse, ref_lse.float(), atol=1e-4, rtol=1e-4)
@@ -120,7 +120,7 @@ def test_wide_configuration_reads_kv_once():
     case = make_case([16], [240], hq=8, hkv=1, d=128, dtype=torch.bfloat16, kind="random", seed=8)
     ops = check(case, torch.bfloat16, max_draft_tokens=16)
     launch = [l for l in ops.launches if l[0].startswith("tree_verify_kernel")][0]
-    assert launch[0].endswith("Li128ELi128E") and launch[1] == (1, 1) and launch[2] == (256,)
+    assert launch[0].endswith("Li128ELi128ELb0E") and launch[1] == (1, 1) and launch[2] == (256,)
     stats = launch[4]
     kv_bytes = 256 * 128 * 2  # keys x D x bf16, per cache
     assert stats.region_read["k_cache"] == kv_bytes, stats.region_read

@@ -121,7 +121,8 @@ class PtxCudaOps:
 
     # ------------------------------------------------------------------ tree verify attention
     def tree_verify_attention(self, q, k_cache, v_cache, kv_indptr, kv_indices, qo_indptr, tree_mask, out, lse,
-                              o_partial, lse_partial, sm_scale, num_splits, min_chunk, max_rows):
+                              o_partial, lse_partial, sm_scale, num_splits, min_chunk, max_rows, k_scale=1.0,
+                              v_scale=1.0, k_scale_tensor=None, v_scale_tensor=None):
         T, Hq, D = q.shape
         Hkv = k_cache.shape[1]
         B = kv_indptr.numel() - 1
@@ -145,13 +146,17 @@ class PtxCudaOps:
         p.num_slots, p.num_indices = k_cache.shape[0], kv_indices.numel()
         p.max_rows, p.num_splits, p.min_chunk = max_rows, num_splits, min_chunk
         p.sm_scale_log2 = sm_scale * LOG2E
+        fp8 = k_cache.dtype in (torch.float8_e4m3fn, torch.float8_e5m2)
+        p.kv_format = _kv_format(k_cache.dtype)
+        p.k_scale, p.v_scale = k_scale, v_scale
+        p.k_scale_ptr, p.v_scale_ptr = buf.ptr(k_scale_tensor, "k_scale"), buf.ptr(v_scale_tensor, "v_scale")
         raw = bytes(p)
         mod = self._module("tree_verify/tree_verify_attention.cu")
         tname = _DTYPE_NAMES[q.dtype]
         # launch(): the configuration tree_verify_launch_shape picks for max_rows on the GPU the
         # arch stands for (the extension's own host code), its grid of (request, KV head, row
         # block) x splits
-        shape = _ops.tree_verify_launch_config(D, max_rows, *device_smem(self.arch))
+        shape = _ops.tree_verify_launch_config(D, max_rows, *device_smem(self.arch), fp8)
         m_blocks = -(-max_rows // shape.block_m)
         self._run(m, mod, entry_of(mod, "tree_verify_kernel", tname, shape.template_args),
                   (B * Hkv * m_blocks, num_splits), (shape.threads,), [raw], shape.smem_bytes)
@@ -174,7 +179,8 @@ class PtxCudaOps:
 
     # ------------------------------------------------------------------ MLA tree verify attention
     def mla_tree_verify_attention(self, q, kv_cache, kv_indptr, kv_indices, qo_indptr, tree_mask, out, lse,
-                                  o_partial, lse_partial, sm_scale, num_splits, min_chunk, max_rows):
+                                  o_partial, lse_partial, sm_scale, num_splits, min_chunk, max_rows, k_scale=1.0,
+                                  v_scale=1.0, k_scale_tensor=None, v_scale_tensor=None):
         T, H, D = q.shape
         B = kv_indptr.numel() - 1
         # launch_mla_tree_verify_attention(): nothing to do without requests or tokens
@@ -199,12 +205,16 @@ class PtxCudaOps:
         p.num_requests, p.num_tokens, p.num_heads = B, T, H
         p.max_rows, p.num_splits, p.min_chunk = max_rows, num_splits, min_chunk
         p.sm_scale_log2 = sm_scale * LOG2E
+        fp8 = kv_cache.dtype in (torch.float8_e4m3fn, torch.float8_e5m2)
+        p.kv_format = _kv_format(kv_cache.dtype)
+        p.k_scale, p.v_scale = k_scale, v_scale
+        p.k_scale_ptr, p.v_scale_ptr = buf.ptr(k_scale_tensor, "k_scale"), buf.ptr(v_scale_tensor, "v_scale")
         raw = bytes(p)
         mod = self._module("mla/mla_tree_verify_attention.cu")
         tname = _DTYPE_NAMES[q.dtype]
         # launch_for_rows(): the configuration mla_launch_shape picks for max_rows, its grid of
         # (request, row block) x splits
-        shape = _ops.mla_launch_config(max_rows)
+        shape = _ops.mla_launch_config(max_rows, fp8)
         m_blocks = -(-max_rows // shape.block_m)
         self._run(m, mod, entry_of(mod, "mla_tree_verify_kernel", tname, shape.template_args),
                   (B * m_blocks, num_splits), (shape.threads,), [raw], shape.smem_bytes)
@@ -370,9 +380,16 @@ class _KvRegions:
             ctypes.memmove(lo, data.ctypes.data, hi - lo)
 
 
-def run_tree_verify(case, ops, *, decode=False, splits=0, max_draft_tokens=0):
+def _kv_format(cache_dtype) -> int:
+    """The params' kv_format of a cache dtype (kKvLikeQ / kKvE4M3 / kKvE5M2 in tree_verify.h)."""
+    return source_constant({torch.float8_e4m3fn: "kKvE4M3", torch.float8_e5m2: "kKvE5M2"}.get(cache_dtype, "kKvLikeQ"))
+
+
+def run_tree_verify(case, ops, *, decode=False, splits=0, max_draft_tokens=0, scales=None):
     """A spec_kernels.testing.Case through the real tree-verify binding (spec_kernels.tree_verify.cuda)
-    with its cuda_ops pointing at `ops` (a PtxCudaOps); (out, lse), NaN where nothing was written."""
+    with its cuda_ops pointing at `ops` (a PtxCudaOps); (out, lse), NaN where nothing was written.
+    scales: the KvScales of an fp8 cache."""
+    from spec_kernels.attention.checks import NO_SCALES
     from spec_kernels.tree_verify import cuda as tv_cuda
 
     T, Hq, D = case.q.shape
@@ -386,7 +403,8 @@ def run_tree_verify(case, ops, *, decode=False, splits=0, max_draft_tokens=0):
     try:
         tv_cuda.tree_verify_attention(q, case.k_cache, case.v_cache, case.kv_indptr, case.kv_indices,
                                       None if decode else case.qo_indptr, None if decode else case.tree_mask,
-                                      D ** -0.5, out, lse, num_kv_splits=splits, max_draft_tokens=max_draft_tokens)
+                                      D ** -0.5, out, lse, num_kv_splits=splits, max_draft_tokens=max_draft_tokens,
+                                      scales=scales or NO_SCALES)
     finally:
         tv_cuda.cuda_ops = saved
     return out, lse

@@ -3,8 +3,10 @@
     python -m tools.ptx_harness.report [--keys 1024] [--json out.json] [--arch sm_120a]
 
 Runs the compiled tree-verify kernels (and the other kernels whose host glue exists in
-tools/ptx_harness/cuda_glue.py) on fixed shapes through the interpreter and prints, per kernel and shape:
-bytes read per buffer (K / V against the ideal of one read of each referenced byte), bytes
+tools/ptx_harness/cuda_glue.py) on fixed shapes through the interpreter, with bf16 caches and with
+fp8 (e4m3) caches of the same shapes, and prints, per kernel and shape: bytes read per buffer (K /
+V against the ideal of one read of each referenced byte; K + V bytes beside those of the bf16
+row, half for fp8), bytes
 written, dynamic warp-instructions by class, shared-memory bank conflicts per instruction (from
 the real addresses), and the longest chain of dependent global loads in the launch (kv_indptr ->
 kv_indices -> K/V is 3; per KV tile the chain is that minus the indptr load).
@@ -26,31 +28,46 @@ import time
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
+KV_FP8_SCALE = 0.05  # k_scale and v_scale of the fp8 rows
+
+
 def _cases(L: int):
-    """(label, kwargs of make_case, decode?) for the tree-verify kernel, L keys per request."""
-    return [
-        (f"decode_bf16_d128_L{L}_group8", dict(ns=[1], prefixes=[L - 1], hq=8, hkv=1, d=128), True),
-        (f"verify16_bf16_d128_L{L}_group4", dict(ns=[16], prefixes=[L - 16], hq=4, hkv=1, d=128), False),
-        (f"verify16_bf16_d128_L{L}_group8", dict(ns=[16], prefixes=[L - 16], hq=8, hkv=1, d=128), False),
+    """(label, kwargs of make_case, decode?, fp8 cache?) for the tree-verify kernel, L keys per
+    request: each shape with a bf16 cache, then with an e4m3 one."""
+    shapes = [
+        (f"decode_{{}}_d128_L{L}_group8", dict(ns=[1], prefixes=[L - 1], hq=8, hkv=1, d=128), True),
+        (f"verify16_{{}}_d128_L{L}_group4", dict(ns=[16], prefixes=[L - 16], hq=4, hkv=1, d=128), False),
+        (f"verify16_{{}}_d128_L{L}_group8", dict(ns=[16], prefixes=[L - 16], hq=8, hkv=1, d=128), False),
     ]
+    return [(label.format(kind), dict(kw), decode, kind != "bf16")
+            for kind in ("bf16", "bf16_kv_fp8e4m3") for label, kw, decode in shapes]
 
 
 def run(keys: int, arch: str):
     import torch
 
+    import dataclasses
+
+    from spec_kernels.attention.checks import KvScales
     from spec_kernels.testing import make_case
     from tools.ptx_harness.cuda_glue import PtxCudaOps, run_tree_verify
 
     rows = []
-    for label, kw, decode in _cases(keys):
+    for label, kw, decode, fp8 in _cases(keys):
         ns, prefixes = kw.pop("ns"), kw.pop("prefixes")
         case = make_case(ns, prefixes, dtype=torch.bfloat16, seed=1, **kw)
+        scales = None
+        if fp8:
+            case = dataclasses.replace(case, k_cache=(case.k_cache.float() / KV_FP8_SCALE).to(torch.float8_e4m3fn),
+                                       v_cache=(case.v_cache.float() / KV_FP8_SCALE).to(torch.float8_e4m3fn))
+            scales = KvScales(KV_FP8_SCALE, KV_FP8_SCALE)
         ops = PtxCudaOps(arch=arch)
         t0 = time.perf_counter()
-        run_tree_verify(case, ops, decode=decode)
+        run_tree_verify(case, ops, decode=decode, scales=scales)
         secs = time.perf_counter() - t0
         L = prefixes[0] + ns[0]
-        kv_ideal = L * kw["d"] * 2
+        kv_ideal = L * kw["d"] * case.k_cache.element_size()  # one read of each referenced byte
+        bf16_bytes = 2 * L * kw["d"] * 2  # K + V of the same shape in bf16
         for name, grid, block, smem, st in ops.launches:
             kernel = name.split("I")[0]
             read = st.region_read
@@ -59,6 +76,9 @@ def run(keys: int, arch: str):
                 counters={
                     "k_bytes_read_over_ideal": round(read.get("k_cache", 0) / kv_ideal, 4),
                     "v_bytes_read_over_ideal": round(read.get("v_cache", 0) / kv_ideal, 4),
+                    "kv_bytes_read": read.get("k_cache", 0) + read.get("v_cache", 0),
+                    "kv_bytes_read_over_bf16_cache": round((read.get("k_cache", 0) + read.get("v_cache", 0))
+                                                           / bf16_bytes, 4),
                     "index_bytes_read_over_ideal": round(read.get("kv_indices", 0) / (4 * L), 4),
                     "global_bytes_read": st.global_read, "global_bytes_written": st.global_written,
                     "warp_instructions": sum(st.warp_instr.values()),
@@ -77,6 +97,7 @@ def print_table(rows):
               f"  ({r['seconds']} s simulated)")
         print(f"  K read / ideal {c['k_bytes_read_over_ideal']:.3f}   V read / ideal {c['v_bytes_read_over_ideal']:.3f}"
               f"   kv_indices read / ideal {c['index_bytes_read_over_ideal']:.2f}")
+        print(f"  K + V read {c['kv_bytes_read']} B = {c['kv_bytes_read_over_bf16_cache']:.3f} x a bf16 cache's")
         print(f"  global read {c['global_bytes_read']} B, written {c['global_bytes_written']} B;"
               f" dependent global-load chain {c['dependent_global_load_chain']}")
         cls = ", ".join(f"{k.split('.', 1)[1]} {v}" for k, v in c.items() if k.startswith("warp_instructions."))

@@ -11,6 +11,7 @@ struct LaunchShape {
   int smem_bytes;       // dynamic shared memory per CTA
   int regs;             // registers per thread (ptxas; the larger of the compiled archs)
   int min_ctas_per_sm;  // __launch_bounds__' second argument (0: none given)
+  int kv_fp8;           // 1: the instance for fp8 KV caches
 };
 
 }  // namespace spec_kernels

@@ -25,7 +25,7 @@ constexpr int mla_block_m(int max_rows) { return max_rows <= 16 ? 16 : max_rows 
 // (decode: tree_mask == nullptr, every slot is visible).
 struct MlaParams {
   const void* q;         // [T, H, 576], rows 16-byte aligned
-  const void* kv_cache;  // [S, 576]
+  const void* kv_cache;  // [S, 576] in q's dtype, or fp8 bytes (kv_format)
   const int32_t* kv_indptr;
   const void* kv_indices;  // int32 or int64 (kv_indices_int64)
   bool kv_indices_int64;
@@ -47,6 +47,13 @@ struct MlaParams {
   int num_splits;  // KV splits per request (grid.y); 1 = no combine pass
   int min_chunk;   // smallest prefix share of a split (multiple of 16 keys), 0 = even split
   float sm_scale_log2;  // softmax scale * log2(e)
+  // The cache's element format (kKvLikeQ, kKvE4M3, kKvE5M2: spec_kernels/tree_verify.h); an fp8
+  // cache's values are byte * k_scale in the logits and byte * v_scale in the output (a non-null
+  // pointer: a device fp32 read at launch, which wins over the host value).
+  int kv_format;
+  float k_scale, v_scale;
+  const float* k_scale_ptr;
+  const float* v_scale_ptr;
 };
 
 cudaError_t launch_mla_tree_verify_attention(const MlaParams& params, Dtype dtype, cudaStream_t stream);

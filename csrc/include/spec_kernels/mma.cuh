@@ -12,6 +12,7 @@
 #include <cuda_fp16.h>
 
 #include <cstdint>
+#include <type_traits>
 
 namespace spec_kernels {
 
@@ -104,6 +105,25 @@ template <>
 __device__ __forceinline__ __half from_float<__half>(float x) { return __float2half_rn(x); }
 template <>
 __device__ __forceinline__ __nv_bfloat16 from_float<__nv_bfloat16>(float x) { return __float2bfloat16_rn(x); }
+
+// Two fp8 values (element 0 in the low byte) -> one register of two T (element 0 in the low half).
+// Exact: every float8_e4m3fn and float8_e5m2 value is a half and a bfloat16, NaN stays NaN, an
+// e5m2 infinity stays infinite. e5m2: float8_e5m2, else float8_e4m3fn. cvt from fp8 needs sm_89+.
+template <typename T>
+__device__ __forceinline__ uint32_t fp8x2_to(uint16_t bits, bool e5m2) {
+  uint32_t h2;
+  if (e5m2) {
+    asm("cvt.rn.f16x2.e5m2x2 %0, %1;\n" : "=r"(h2) : "h"(bits));
+  } else {
+    asm("cvt.rn.f16x2.e4m3x2 %0, %1;\n" : "=r"(h2) : "h"(bits));
+  }
+  if constexpr (std::is_same_v<T, __half>) {
+    return h2;
+  } else {
+    const float2 f = __half22float2(*reinterpret_cast<const __half2*>(&h2));
+    return pack2<T>(f.x, f.y);
+  }
+}
 
 // Offset (in elements) of 16-byte chunk `chunk` of row `row` in a [rows][kChunks * 8] tile whose
 // chunks are XOR-swizzled by row: the 8 rows read by one ldmatrix hit 8 different bank groups.

@@ -11,23 +11,29 @@
 
 namespace spec_kernels {
 
-// X(head_dim, rows per CTA, registers per thread): every compiled configuration.
+// X(head_dim, rows per CTA, registers per thread, registers of its fp8-cache instance): every
+// compiled configuration; each has an instance for caches of q's dtype and one for fp8 caches.
 //  64 rows: the default, 4 warps.
 //  32 rows (D = 128): the decode one (at most 16 rows): 32-key stages, 49 KB, so that two CTAs
 //      share an SM whose shared memory holds one of the 98 KB configuration (sm_120).
 // 128 rows (D = 128): 8 warps, for more than 64 rows (n = 16 drafts x GQA 8): each K/V tile is
 //      gathered once for all of them instead of once per 64-row block; same stages as 64 rows.
-// Registers are what ptxas reports for the instance (the larger of sm_90a and sm_120a; fp16 and
-// bf16 agree): the planner's occupancy model reads them, tests/test_sass_report.py checks them
+// Registers are what ptxas reports for the instance (the larger of sm_90a and sm_120a, fp16 and
+// bf16): the planner's occupancy model reads them, tests/test_sass_report.py checks them
 // against the compiled cubins.
 #define SPEC_KERNELS_TREE_VERIFY_CONFIGS(X) \
-  X(64, 64, 156)                            \
-  X(128, 64, 243)                           \
-  X(256, 64, 255)                           \
-  X(128, 32, 190)                           \
-  X(128, 128, 233)
+  X(64, 64, 156, 157)                       \
+  X(128, 64, 243, 232)                      \
+  X(256, 64, 255, 255)                      \
+  X(128, 32, 190, 214)                      \
+  X(128, 128, 233, 233)
 
-template <int D, int kRows = kTreeVerifyBlockM>
+// kFp8: the cache holds 8-bit floats. The pipeline stages then hold the cache bytes (half the
+// global reads and cp.async traffic), and each tile is converted once into one K and one V tile of
+// q's dtype with the 16-bit layout, from which the mma fragments are loaded as for a 16-bit cache:
+// the V operand needs a transposed 16-bit fragment (ldmatrix .trans has no 8-bit form on sm_90 /
+// sm_120), and fp8 mma would round P and Q to fp8 as well.
+template <int D, int kRows = kTreeVerifyBlockM, bool kFp8 = false>
 struct TileConfig {
   static constexpr bool kSmall = kRows == 32, kWide = kRows == 128;
   static_assert(kRows == kTreeVerifyBlockM || (D == 128 && (kSmall || kWide)),
@@ -50,10 +56,15 @@ struct TileConfig {
   static constexpr int kIdxStages = 4;
   static constexpr int kIdxBytes = kIdxStages * kStageKeys * 8;
   static constexpr int kQElems = kQInRegs ? 0 : kBlockM * D;
-  // [Q tile] + kStages K + kStages V stages + slot ids: 34 KB (D=64), 98 KB (D=128; small: 49 KB),
-  // 97 KB (D=256).
-  static constexpr int kSmemBytes = (kQElems + 2 * kStages * kStageKeys * D) * 2 + kIdxBytes;
-  // ... in the last K stage (rows 0-63) and the last V stage (rows 64-127; kWide).
+  static constexpr int kKvElemBytes = kFp8 ? 1 : 2;
+  static constexpr int kStageBytes = kStageKeys * D * kKvElemBytes;  // one K or V stage
+  // The converted K and V tiles (fp8 only), in q's dtype.
+  static constexpr int kConvertedElems = kFp8 ? 2 * kStageKeys * D : 0;
+  // [Q tile] + [converted K, V] + kStages K + kStages V stages + slot ids. 16-bit caches: 34 KB
+  // (D=64), 98 KB (D=128; small: 49 KB), 97 KB (D=256); fp8: 34 KB, 82 KB (41 KB), 97 KB.
+  static constexpr int kSmemBytes = (kQElems + kConvertedElems) * 2 + 2 * kStages * kStageBytes + kIdxBytes;
+  // ... in the last K stage (rows 0-63) and the last V stage (rows 64-127; kWide), or in the
+  // converted K and V tiles (fp8), which hold as many rows.
   static_assert(!kQInRegs || kBlockM <= 2 * kStageKeys, "the Q tile is staged in the last K and V stages");
   static_assert(kIdxStages >= kStages + 1, "the ids of kStages tiles are pending while a tile's are read");
   // CTAs per SM the registers must allow (__launch_bounds__): 3 at D=64 (4 would cap it at 128
@@ -70,19 +81,21 @@ struct TileConfig {
 // Threads of the split-combine kernel (one block per (token, head)).
 constexpr int kTreeVerifyMergeThreads = 64;
 
-template <int D, int kRows, int kRegs>
+template <int D, int kRows, bool kFp8, int kRegs>
 constexpr LaunchShape tree_verify_instance_shape() {
-  using Cfg = TileConfig<D, kRows>;
-  return LaunchShape{D, kRows, Cfg::kThreads, Cfg::kSmemBytes, kRegs, Cfg::kMinCtasPerSm};
+  using Cfg = TileConfig<D, kRows, kFp8>;
+  return LaunchShape{D, kRows, Cfg::kThreads, Cfg::kSmemBytes, kRegs, Cfg::kMinCtasPerSm, kFp8 ? 1 : 0};
 }
 
-// The compiled configuration (head_dim, rows per CTA); block_m 0 when there is none.
-constexpr LaunchShape tree_verify_config_shape(int head_dim, int block_m) {
-#define SPEC_KERNELS_TV_SHAPE(D, ROWS, REGS) \
-  if (head_dim == D && block_m == ROWS) return tree_verify_instance_shape<D, ROWS, REGS>();
+// The compiled configuration (head_dim, rows per CTA, fp8 cache); block_m 0 when there is none.
+constexpr LaunchShape tree_verify_config_shape(int head_dim, int block_m, bool fp8) {
+#define SPEC_KERNELS_TV_SHAPE(D, ROWS, REGS, FP8_REGS)                                     \
+  if (head_dim == D && block_m == ROWS)                                                   \
+    return fp8 ? tree_verify_instance_shape<D, ROWS, true, FP8_REGS>()                    \
+               : tree_verify_instance_shape<D, ROWS, false, REGS>();
   SPEC_KERNELS_TREE_VERIFY_CONFIGS(SPEC_KERNELS_TV_SHAPE)
 #undef SPEC_KERNELS_TV_SHAPE
-  return LaunchShape{head_dim, 0, 0, 0, 0, 0};
+  return LaunchShape{head_dim, 0, 0, 0, 0, 0, fp8 ? 1 : 0};
 }
 
 // The configuration a launch takes (block_m 0: head_dim has none). At D = 128: 128 rows per CTA
@@ -90,16 +103,18 @@ constexpr LaunchShape tree_verify_config_shape(int head_dim, int block_m) {
 // where two such CTAs fit on an SM and two 64-row ones do not (smem_per_sm: the device's shared
 // memory per SM, smem_reserved_per_cta: what the runtime keeps of it per CTA); else 64.
 constexpr LaunchShape tree_verify_launch_shape(int head_dim, int max_rows, int smem_per_sm,
-                                               int smem_reserved_per_cta) {
+                                               int smem_reserved_per_cta, bool fp8) {
   int block_m = kTreeVerifyBlockM;
   if (head_dim == 128 && max_rows > kTreeVerifyBlockM) {
     block_m = 128;
   } else if (head_dim == 128 && max_rows <= 16) {
-    const int large = TileConfig<128>::kSmemBytes + smem_reserved_per_cta;
-    const int small = TileConfig<128, 32>::kSmemBytes + smem_reserved_per_cta;
+    const int large = (fp8 ? TileConfig<128, 64, true>::kSmemBytes : TileConfig<128>::kSmemBytes) +
+                      smem_reserved_per_cta;
+    const int small = (fp8 ? TileConfig<128, 32, true>::kSmemBytes : TileConfig<128, 32>::kSmemBytes) +
+                      smem_reserved_per_cta;
     if (2 * large > smem_per_sm && 2 * small <= smem_per_sm) block_m = 32;
   }
-  return tree_verify_config_shape(head_dim, block_m);
+  return tree_verify_config_shape(head_dim, block_m, fp8);
 }
 
 }  // namespace spec_kernels

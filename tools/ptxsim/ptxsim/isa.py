@@ -51,8 +51,11 @@ def _check(form: str):
         dt, at = types
         if dt in ("e4m3x2",) and "satfinite" not in parts:
             return "e4m3x2 without .satfinite"
-        if dt in ("e5m2x2", "e2m1x2", "e3m2x2", "e2m3x2", "ue8m0x2", "tf32") or at in ("e4m3x2", "e5m2x2"):
-            return "fp8/fp6/fp4 sources and e5m2/tf32 are not modelled"
+        if at in ("e4m3x2", "e5m2x2"):
+            return None if dt == "f16x2" and "rn" in parts and "relu" not in parts else \
+                "fp8 sources are modelled as cvt.rn.f16x2.{e4m3x2,e5m2x2} only"
+        if dt in ("e5m2x2", "e2m1x2", "e3m2x2", "e2m3x2", "ue8m0x2", "tf32") or at.startswith(("e2", "e3", "ue8")):
+            return "fp6/fp4 and conversions to e5m2/tf32 are not modelled"
         if dt in ("bf16", "f16", "bf16x2", "f16x2") and "rn" not in parts:
             return "conversions to half types are modelled with .rn only"
         if "relu" in parts:

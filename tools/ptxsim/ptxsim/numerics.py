@@ -68,6 +68,28 @@ def f32_to_e4m3_satfinite(x):
     return np.where(np.isnan(x), np.uint8(0x7F), out)
 
 
+def fp8_to_f16_bits(b, e5m2):
+    """fp8 bytes (uint8) -> f16 bits, exactly: every float8_e4m3fn / float8_e5m2 value is a half.
+    e5m2 is the high byte of a half (infinities kept); a NaN byte gives the canonical NaN 0x7fff
+    (the bits of a NaN are not part of what the tests compare)."""
+    b = np.asarray(b, np.uint8).astype(np.uint16)
+    sign = (b & 0x80) << np.uint16(8)
+    if e5m2:
+        nan = (b & 0x7F) > 0x7C
+        return np.where(nan, np.uint16(0x7FFF), b << np.uint16(8)).astype(np.uint16)
+    e, m = (b >> 3) & 15, b & 7
+    nan = (e == 15) & (m == 7)
+    # normal: exponent rebias 7 -> 15; subnormal m * 2^-9 is normal in f16: shift m up to the
+    # leading one.
+    normal = ((e + 8) << 10) | (m << 7)
+    lead = np.where(m >= 4, 2, np.where(m >= 2, 1, 0))          # index of m's leading one
+    sub_e = (lead + 6).astype(np.uint16)                         # 2^(lead - 9) = 2^(sub_e - 15)
+    sub_m = ((m - (np.uint16(1) << lead.astype(np.uint16))) << (10 - lead).astype(np.uint16)).astype(np.uint16)
+    sub = np.where(m == 0, 0, (sub_e << 10) | sub_m)
+    mag = np.where(e == 0, sub, normal).astype(np.uint16)
+    return np.where(nan, np.uint16(0x7FFF), sign | mag).astype(np.uint16)
+
+
 def ftz(x):
     x = np.asarray(x, np.float32)
     sub = (x != 0) & (np.abs(x) < np.float32(1.1754944e-38))

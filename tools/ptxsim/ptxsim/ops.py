@@ -639,6 +639,16 @@ def h_selp(c, parts, ops, pc):
 def h_cvt(c, parts, ops, pc):
     types = [p for p in parts[1:] if p in ex._TYPES or p in ("e4m3x2", "e5m2x2", "bf16x2", "f16x2")]
     dt, at = types[0], types[-1]
+    if at in ("e4m3x2", "e5m2x2"):  # two fp8 values in a b16 -> two halves, each exact
+        fa, dst = c.rd(ops[1], "b16"), c.wr(ops[0], "b32")
+        e5m2 = at == "e5m2x2"
+
+        def f(sel, tids):
+            bits = _bcast(fa(sel, tids), tids).astype(np.uint16)
+            lo = ex.fp8_to_f16_bits((bits & np.uint16(0xFF)).astype(np.uint8), e5m2).astype(np.uint32)
+            hi = ex.fp8_to_f16_bits((bits >> np.uint16(8)).astype(np.uint8), e5m2).astype(np.uint32)
+            dst(sel, tids, (hi << np.uint32(16)) | lo)
+        return _op(f)
     if dt in ("bf16x2", "f16x2", "e4m3x2"):
         fa, fb = c.rd(ops[1], at), c.rd(ops[2], at)
         if dt == "e4m3x2":

@@ -231,3 +231,24 @@ def test_bfi(ptx):
             mask = (((1 << l) - 1) << p) & 0xFFFFFFFF
             want = (want & ~mask & 0xFFFFFFFF) | ((int(a[i]) << p) & mask)
         assert int(got[i]) == want, (i, p, l)
+
+
+def test_fp8_pairs_convert_to_halves_exactly(ptx):
+    """cvt.rn.f16x2.{e4m3x2,e5m2x2} over all 65536 inputs: element 0 from the low byte into the low
+    half; every value exact (torch's fp8 -> half conversion), signs and infinities kept, NaN bytes
+    give a NaN."""
+    m = Machine()
+    a, b = m.alloc(4 * 65536), m.alloc(4 * 65536)
+    run(m, ptx, "fp8x2_to_half2", (256,), (256,), [a, b])
+    pairs = np.arange(65536, dtype=np.uint32)
+    for out, dt in ((a, torch.float8_e4m3fn), (b, torch.float8_e5m2)):
+        got = m.download(out, np.uint32, (65536,))
+        got_halves = np.stack([got & 0xFFFF, got >> 16], 1).astype(np.uint16).view(np.float16)
+        fp8 = np.stack([pairs & 0xFF, pairs >> 8], 1).astype(np.uint8)
+        want = torch.from_numpy(fp8).view(dt).to(torch.float16).numpy()
+        nan = np.isnan(want)
+        assert nan.any() and (np.isnan(got_halves) == nan).all()
+        np.testing.assert_array_equal(got_halves[~nan], want[~nan])
+        np.testing.assert_array_equal(np.signbit(got_halves[~nan]), np.signbit(want[~nan]))
+        if dt == torch.float8_e5m2:
+            assert np.isinf(got_halves).sum() == 2 * 2 * 256

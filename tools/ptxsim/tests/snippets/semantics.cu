@@ -149,3 +149,15 @@ extern "C" __global__ void bfi_op(const uint32_t* a, const uint32_t* b, const ui
   asm("bfi.b32 %0, %1, %2, %3, %4;" : "=r"(r) : "r"(a[i]), "r"(b[i]), "r"(pos_len[i] & 0xff), "r"(pos_len[i] >> 8));
   out[i] = r;
 }
+
+// Two fp8 bytes -> two halves (cvt.rn.f16x2.{e4m3x2,e5m2x2}), for every 16-bit input.
+extern "C" __global__ void fp8x2_to_half2(uint32_t* e4m3_out, uint32_t* e5m2_out) {
+  const int i = blockIdx.x * blockDim.x + threadIdx.x;
+  if (i >= 65536) return;
+  const uint16_t bits = static_cast<uint16_t>(i);
+  uint32_t a, b;
+  asm("cvt.rn.f16x2.e4m3x2 %0, %1;\n" : "=r"(a) : "h"(bits));
+  asm("cvt.rn.f16x2.e5m2x2 %0, %1;\n" : "=r"(b) : "h"(bits));
+  e4m3_out[i] = a;
+  e5m2_out[i] = b;
+}
