@@ -37,7 +37,11 @@ for EAGLE verify with n draft tokens per request (mode "eagle"), with T = B x n 
   on CPU it runs under the interpreter in fp32), FlashInfer's paged prefill with a custom mask
   (``BatchPrefillWithPagedKVCacheWrapper``; plan() outside the timing, as a server plans once per
   step) and FlashInfer's fused_add_rmsnorm. Each anchor's output is checked against ours first
-  where both compute the same thing.
+  where both compute the same thing. Our attention also runs on an fp8 (e4m3) cache of the same
+  shape (impl ``<impl>+kv_fp8_e4m3``, extra_info ``kv_cache``; SGLang's ``--kv-cache-dtype
+  fp8_e4m3``): the store quantises the step's rows, q and out are in the preset's dtype (fp16 on
+  the fp32 CPU presets), and bytes / GB/s count one byte per cached value. The steps stay on the
+  model-dtype cache, so the policy's inputs do not change.
 * ``test_allreduce_anchor``: always skipped here. This module runs ONE process: the allreduce
   before each norm is NOT timed (only its local part, the fused add + RMSNorm), and plain
   torch.distributed all_reduce means nothing on a world of one. Multi-rank allreduce (ours and
@@ -105,6 +109,12 @@ GRID = models.grid_for(PRESET.name, os.environ.get("SPEC_KERNELS_DECODE_MODELS")
                        os.environ.get("SPEC_KERNELS_DECODE_L"))
 EPS = 1e-6
 PROXY_DIM = 256  # the MLA proxy's head dim (see the module docstring)
+# The attention component's fp8-cache rows (SGLang's --kv-cache-dtype fp8_e4m3): the cache in
+# e4m3 with one per-layer scale for K and V; q and out in the preset's dtype, fp16 where that is
+# fp32 (fp8 caches are read with fp16 / bf16 queries).
+KV_FP8 = torch.float8_e4m3fn
+KV_FP8_SCALE = 0.05
+FP8_Q_DTYPE = DTYPE if DTYPE in (torch.float16, torch.bfloat16) else torch.float16
 KV_PAGE_SIZE = 1  # SGLang's default for EAGLE trees
 
 
@@ -224,19 +234,24 @@ class Attention:
     kv_indptr: torch.Tensor
     qo_indptr: torch.Tensor
     sets: list[AttnSet]
+    scales: dict  # k_scale / v_scale of an fp8 cache (the store quantises with them), else empty
 
     @property
     def kv_row_bytes(self) -> int:
-        return sum(c[0].numel() for c in self.sets[0].caches) * DTYPE.itemsize
+        """Bytes of one slot's cached rows, in the cache's dtype (fp8: one per value)."""
+        return sum(c[0].numel() * c.element_size() for c in self.sets[0].caches)
 
     @property
     def bytes(self) -> int:
         """KV rows read + new rows written + q read + out written, per call."""
         c = self.case
-        return (c.B * (c.L + c.n) + c.T) * self.kv_row_bytes + (self.q.numel() + self.out.numel()) * DTYPE.itemsize
+        return (c.B * (c.L + c.n) + c.T) * self.kv_row_bytes + self.q.numel() * self.q.element_size() \
+            + self.out.numel() * self.out.element_size()
 
 
-def make_attention(case: Case, form: str, num_sets: int, seed: int = 0) -> Attention:
+def make_attention(case: Case, form: str, num_sets: int, seed: int = 0, fp8: bool = False) -> Attention:
+    """The attention inputs of `case` in `form`; fp8: an e4m3 cache (KV_FP8_SCALE) read with
+    FP8_Q_DTYPE queries, this step's rows quantised by the store."""
     B, n, L, T = case.B, case.n, case.L, case.T
     Hq, Hkv, D, Dv = attention_dims(case, form)
     gen = torch.Generator().manual_seed(seed)
@@ -249,6 +264,8 @@ def make_attention(case: Case, form: str, num_sets: int, seed: int = 0) -> Atten
             caches = (_randn(rows, models.MLA_KV_DIM),)
         else:
             caches = (_randn(rows, Hkv, D), _randn(rows, Hkv, Dv))
+        if fp8:
+            caches = tuple((c / KV_FP8_SCALE).to(KV_FP8) for c in caches)
         kv_indices = torch.randperm(rows, generator=gen).to(DEVICE, torch.int32)  # scattered rows, page size 1
         new_loc = kv_indices.view(B, L + n)[:, L:].flatten().long()
         parents = tree_mask = None
@@ -257,14 +274,20 @@ def make_attention(case: Case, form: str, num_sets: int, seed: int = 0) -> Atten
             tree_mask = spec_kernels.tree_mask_from_parents(parents.flatten().to(DEVICE), qo_indptr)
         sets.append(AttnSet(caches, kv_indices, new_loc, tree_mask, parents))
     new = (_randn(T, models.MLA_KV_DIM),) if form == "mla" else (_randn(T, Hkv, D), _randn(T, Hkv, Dv))
-    return Attention(case, form, _randn(T, Hq, D), new, torch.empty(T, Hq, Dv, dtype=DTYPE, device=DEVICE),
-                     kv_indptr, qo_indptr, sets)
+    q_dtype = FP8_Q_DTYPE if fp8 else DTYPE
+    scales = dict(k_scale=KV_FP8_SCALE, v_scale=KV_FP8_SCALE) if fp8 else {}
+    return Attention(case, form, _randn(T, Hq, D).to(q_dtype), new,
+                     torch.empty(T, Hq, Dv, dtype=q_dtype, device=DEVICE), kv_indptr, qo_indptr, sets, scales)
 
 
 def _store(att: Attention, s: AttnSet) -> None:
-    """set_kv_buffer: this step's K/V rows into their slots (every backend does it first)."""
+    """set_kv_buffer: this step's K/V rows into their slots (every backend does it first); an fp8
+    cache gets the rows divided by the scale and rounded to fp8, as SGLang's pool stores them."""
     for cache, rows in zip(s.caches, att.new):
-        cache.index_copy_(0, s.new_loc, rows)
+        if cache.dtype == KV_FP8:
+            cache.view(torch.uint8).index_copy_(0, s.new_loc, (rows / KV_FP8_SCALE).to(KV_FP8).view(torch.uint8))
+        else:
+            cache.index_copy_(0, s.new_loc, rows)
 
 
 _MLA_TAKES_MAX_DRAFT = MLA_OP is not None and "max_draft_tokens" in inspect.signature(MLA_OP).parameters
@@ -278,26 +301,27 @@ def ours(att: Attention, s: AttnSet, impl: Optional[str]) -> Callable[[], None]:
         if c.n == 1 and MLA_DECODE is not None:
             def call():
                 _store(att, s)
-                MLA_DECODE(att.q, s.caches[0], att.kv_indptr, s.kv_indices, out=att.out, impl=impl)
+                MLA_DECODE(att.q, s.caches[0], att.kv_indptr, s.kv_indices, out=att.out, impl=impl, **att.scales)
             return call
 
         def call():
             _store(att, s)
             MLA_OP(att.q, s.caches[0], att.kv_indptr, s.kv_indices, att.qo_indptr, s.tree_mask, out=att.out,
-                   impl=impl, **extra)
+                   impl=impl, **extra, **att.scales)
         return call
     k, v = s.caches
     if c.n == 1:
         def call():
             _store(att, s)
-            spec_kernels.decode_attention(att.q, k, v, att.kv_indptr, s.kv_indices, out=att.out, impl=impl)
+            spec_kernels.decode_attention(att.q, k, v, att.kv_indptr, s.kv_indices, out=att.out, impl=impl,
+                                          **att.scales)
         return call
 
     def call():
         _store(att, s)
         # max_draft_tokens: the server knows its tree size; it sizes the launch for n, not 64.
         spec_kernels.tree_verify_attention(att.q, k, v, att.kv_indptr, s.kv_indices, att.qo_indptr, s.tree_mask,
-                                           out=att.out, impl=impl, max_draft_tokens=c.n)
+                                           out=att.out, impl=impl, max_draft_tokens=c.n, **att.scales)
     return call
 
 
@@ -305,11 +329,12 @@ def attention_op(form: str) -> str:
     return "mla_tree_verify_attention" if form == "mla" else "tree_verify_attention"
 
 
-def _select_args(case: Case, form: str) -> tuple:
+def _select_args(case: Case, form: str, fp8: bool = False) -> tuple:
     """Meta tensors shaped like the call, for the ops' per-call `supports` predicates."""
     Hq, Hkv, D, Dv = attention_dims(case, form)
-    meta = lambda *shape: torch.empty(*shape, dtype=DTYPE, device="meta")  # noqa: E731
-    return (meta(1, Hq, D), meta(1, D), Dv) if form == "mla" else (meta(1, Hq, D), meta(1, Hkv, D), meta(1, Hkv, Dv))
+    q = torch.empty(1, Hq, D, dtype=FP8_Q_DTYPE if fp8 else DTYPE, device="meta")
+    meta = lambda *shape: torch.empty(*shape, dtype=KV_FP8 if fp8 else DTYPE, device="meta")  # noqa: E731
+    return (q, meta(1, D), Dv) if form == "mla" else (q, meta(1, Hkv, D), meta(1, Hkv, Dv))
 
 
 def our_attention_impl(case: Case) -> str:
@@ -590,6 +615,8 @@ def _component_params() -> list:
     for c in CASES:
         attn = _our_impls(attention_op(c.attention)) if attention_op(c.attention) in REGISTRY else ["default"]
         variants = [("attention", i) for i in attn]
+        if c.attention != "mla-proxy":  # ours on an fp8 cache, beside the model-dtype rows
+            variants += [("attention", f"{i}{FP8_IMPL_SUFFIX}") for i in attn]
         variants += [("attention", a) for a in ANCHORS if c.n > 1]
         variants += [("gemm", "torch")] + [("norm", i) for i in norm_ours] + [("norm", "flashinfer")]
         variants += [("kv", default_impl("alloc_draft_slots"))]
@@ -597,23 +624,31 @@ def _component_params() -> list:
     return params
 
 
+# The impl label of the attention component's fp8-cache rows: "<impl>+kv_fp8_e4m3".
+FP8_IMPL_SUFFIX = "+kv_fp8_e4m3"
+
+
 def _attention_calls(case: Case, impl: str) -> tuple[list, int, dict]:
     anchor = ANCHORS.get(impl)
     form = case.attention
+    fp8 = impl.endswith(FP8_IMPL_SUFFIX)
+    ours_impl = impl[: -len(FP8_IMPL_SUFFIX)] if fp8 else impl
     if anchor is not None:
         why = anchor_unavailable(impl, case)
         form = "mla" if case.model.is_mla else "gqa"  # anchors compute the real MLA, never the proxy
     else:
-        why = None if impl == "default" else op_impls(attention_op(form)).unavailable_reason(
-            impl, DEVICE, args=_select_args(case, form))
+        why = None if ours_impl == "default" else op_impls(attention_op(form)).unavailable_reason(
+            ours_impl, DEVICE, args=_select_args(case, form, fp8))
     if why is not None:
         pytest.skip(f"{impl}: {why}")
-    att = make_attention(case, form, 1)
+    att = make_attention(case, form, 1, fp8=fp8)
     num_sets = _timing.input_sets_for(att.bytes, DEVICE)
-    att = make_attention(case, form, num_sets) if num_sets > 1 else att
-    extra = {"attention": form}
+    att = make_attention(case, form, num_sets, fp8=fp8) if num_sets > 1 else att
+    extra = {"attention": form, "kv_cache": "fp8_e4m3" if fp8 else PRESET.dtype}
+    if fp8:
+        extra.update(q_dtype=str(FP8_Q_DTYPE).replace("torch.", ""), kv_scale=KV_FP8_SCALE)
     if anchor is None:
-        return [ours(att, s, None if impl == "default" else impl) for s in att.sets], att.bytes, extra
+        return [ours(att, s, None if ours_impl == "default" else ours_impl) for s in att.sets], att.bytes, extra
     calls = [anchor(att, s) for s in att.sets]
     extra["checked_against_ours"] = form == case.attention
     if form == case.attention:  # an anchor must compute what ours computes: compare set 0 once
