@@ -98,6 +98,17 @@ def cuda_cache_dtype_refusal(q_dtype: torch.dtype, cache_dtype: torch.dtype) -> 
     return f"the CUDA kernel has no instance for a {cache_dtype} KV cache with {q_dtype} queries"
 
 
+def cuda_row_chunk_refusal(**tensors: torch.Tensor) -> Optional[str]:
+    """Why a CUDA attention kernel, which copies 16-byte chunks of rows, declines these tensors
+    (by name): each needs a unit last stride and its other strides multiples of 16 bytes."""
+    for name, t in tensors.items():
+        chunk = 16 // t.element_size()
+        if t.stride(-1) != 1 or any(s % chunk for s in t.stride()[:-1]):
+            return (f"the CUDA kernel copies 16-byte chunks of rows: {name}'s strides {tuple(t.stride())} are not"
+                    " a unit last stride and multiples of 16 bytes")
+    return None
+
+
 @dataclass(frozen=True)
 class KvScales:
     """The dequantisation scales of a call: K and V values are cache value * scale. A scale is a

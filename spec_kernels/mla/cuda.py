@@ -8,7 +8,7 @@ from typing import Optional
 import torch
 
 from .._ops import cuda_ops, kernel_config, mla_launch_config
-from ..attention.checks import KV_FP8_DTYPES, NO_SCALES, KvScales, cuda_cache_dtype_refusal
+from ..attention.checks import KV_FP8_DTYPES, NO_SCALES, KvScales, cuda_cache_dtype_refusal, cuda_row_chunk_refusal
 from ..attention.plan import KernelResources, SplitWorkspace, expected_rows, max_rows, mean_prefix
 from ..attention.plan import num_kv_splits as plan_splits
 
@@ -33,10 +33,7 @@ def supports(q, kv_cache, v_head_dim, *_) -> Optional[str]:
                 f"(DeepSeek-V3 / Kimi K2.5), got {q.shape[2]} / {v_head_dim}")
     if q.data_ptr() % 16 or kv_cache.data_ptr() % 16:
         return "the CUDA kernel copies 16-byte chunks: q and kv_cache must start 16-byte aligned"
-    if kv_cache.stride(1) != 1 or kv_cache.stride(0) % (16 // kv_cache.element_size()):
-        return (f"the CUDA kernel copies 16-byte chunks of rows: kv_cache's strides {tuple(kv_cache.stride())} are"
-                " not a unit last stride and a row stride of a multiple of 16 bytes")
-    return None
+    return cuda_row_chunk_refusal(kv_cache=kv_cache)
 
 
 def auto_splits(device: torch.device, num_tokens: int, num_requests: int, num_heads: int, num_indices: int,

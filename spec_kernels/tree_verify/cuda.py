@@ -8,7 +8,7 @@ from typing import Callable, Optional
 import torch
 
 from .._ops import cuda_ops, kernel_config, kernel_configs, tree_verify_launch_config
-from ..attention.checks import KV_FP8_DTYPES, NO_SCALES, KvScales, cuda_cache_dtype_refusal
+from ..attention.checks import KV_FP8_DTYPES, NO_SCALES, KvScales, cuda_cache_dtype_refusal, cuda_row_chunk_refusal
 from ..attention.plan import DeviceLimits, KernelResources, SplitWorkspace, expected_rows, max_rows, mean_prefix
 from ..attention.plan import num_kv_splits as plan_splits
 
@@ -55,12 +55,7 @@ def supports(q, k_cache, v_cache, *_) -> Optional[str]:
         return f"the CUDA kernel needs the V head dim ({v_cache.shape[2]}) equal to Q's ({q.shape[2]})"
     if q.device.type == "cuda" and any(t.data_ptr() % 16 for t in (q, k_cache, v_cache)):
         return "the CUDA kernel copies 16-byte chunks: q, k_cache and v_cache must be 16-byte aligned"
-    for t, name in ((q, "q"), (k_cache, "k_cache"), (v_cache, "v_cache")):
-        chunk = 16 // t.element_size()
-        if t.stride(2) != 1 or t.stride(1) % chunk or t.stride(0) % chunk:
-            return (f"the CUDA kernel copies 16-byte chunks of rows: {name}'s strides {tuple(t.stride())} are not"
-                    " a unit last stride and multiples of 16 bytes")
-    return None
+    return cuda_row_chunk_refusal(q=q, k_cache=k_cache, v_cache=v_cache)
 
 
 def auto_splits(device: torch.device, num_tokens: int, num_requests: int, num_q_heads: int, num_kv_heads: int,

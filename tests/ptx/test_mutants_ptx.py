@@ -140,38 +140,35 @@ FP8_MUTANTS = {
 }
 
 
-def run_tree_verify_fp8(ops_for):
+def run_tree_verify_fp8(ops):
     # D = 128 (3 stages, 5 tiles per split), a tree tail, 2 splits, tensor scales, e4m3; then
     # D = 64 e5m2 with host scales; then sm_120's 32-row decode configuration (e4m3)
     import test_tree_verify_fp8_ptx as fp8
 
     case = make_case([6, 3, 2], [520, 20, 0], hq=4, hkv=1, d=128, dtype=torch.bfloat16, kind="random", seed=11)
-    fp8.check(case, fp8.E4, torch.bfloat16, ops=ops_for(), tensor_scales=True, splits=2)
+    fp8.check(case, fp8.E4, torch.bfloat16, ops=ops, tensor_scales=True, splits=2)
     case = make_case([5, 4], [200, 30], hq=4, hkv=2, d=64, dtype=torch.float16, kind="random", seed=12)
-    fp8.check(case, fp8.E5, torch.float16, ops=ops_for())
+    fp8.check(case, fp8.E5, torch.float16, ops=ops)
     case = make_case([1, 1], [300, 40], hq=8, hkv=2, d=128, dtype=torch.bfloat16, seed=12)
-    fp8.check(case, fp8.E4, torch.bfloat16, ops=ops_for(), decode=True, splits=2)
+    fp8.check(case, fp8.E4, torch.bfloat16, ops=ops, decode=True, splits=2)
 
 
 def test_unmutated_case_passes():
     run_tree_verify(PtxCudaOps())
     run_tree_verify_wide(PtxCudaOps())
-    run_tree_verify_fp8(PtxCudaOps)
+    run_tree_verify_fp8(PtxCudaOps())
 
 
 # Each mutant with the case that runs its configuration.
 CASES = {**{name: (MUTANTS[name], run_tree_verify) for name in MUTANTS},
          **{name: (WIDE_MUTANTS[name], run_tree_verify_wide) for name in WIDE_MUTANTS},
-         **{name: (FP8_MUTANTS[name], "fp8") for name in FP8_MUTANTS}}
+         **{name: (FP8_MUTANTS[name], run_tree_verify_fp8) for name in FP8_MUTANTS}}
 
 
 @pytest.mark.parametrize("name", sorted(CASES))
 def test_mutant_is_caught(name):
     (path, what, old, new), run = CASES[name]
-    source = patched(path, old, new)
+    ops = PtxCudaOps(patched={path: patched(path, old, new)})
     with pytest.raises((AssertionError, SimError)) as info:
-        if run == "fp8":  # a fresh PtxCudaOps (its memory) per case, all with the mutant
-            run_tree_verify_fp8(lambda: PtxCudaOps(patched={path: source}))
-        else:
-            run(PtxCudaOps(patched={path: source}))
+        run(ops)
     print(f"{name} ({what}) caught: {str(info.value).splitlines()[0][:200]}")

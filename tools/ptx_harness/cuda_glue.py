@@ -21,6 +21,7 @@ from ptxsim.executor import Launch, Machine
 from ptxsim.launch import module_of, pack_params
 
 from spec_kernels import _ops
+from spec_kernels.attention.checks import KV_FP8_DTYPES
 from spec_kernels.attention.triton_common import LOG2E
 from tools.ptx_harness.shipped import device_smem, entry_of, header_struct, short_name, source_constant
 
@@ -146,7 +147,7 @@ class PtxCudaOps:
         p.num_slots, p.num_indices = k_cache.shape[0], kv_indices.numel()
         p.max_rows, p.num_splits, p.min_chunk = max_rows, num_splits, min_chunk
         p.sm_scale_log2 = sm_scale * LOG2E
-        fp8 = k_cache.dtype in (torch.float8_e4m3fn, torch.float8_e5m2)
+        fp8 = k_cache.dtype in KV_FP8_DTYPES
         p.kv_format = _kv_format(k_cache.dtype)
         p.k_scale, p.v_scale = k_scale, v_scale
         p.k_scale_ptr, p.v_scale_ptr = buf.ptr(k_scale_tensor, "k_scale"), buf.ptr(v_scale_tensor, "v_scale")
@@ -205,7 +206,7 @@ class PtxCudaOps:
         p.num_requests, p.num_tokens, p.num_heads = B, T, H
         p.max_rows, p.num_splits, p.min_chunk = max_rows, num_splits, min_chunk
         p.sm_scale_log2 = sm_scale * LOG2E
-        fp8 = kv_cache.dtype in (torch.float8_e4m3fn, torch.float8_e5m2)
+        fp8 = kv_cache.dtype in KV_FP8_DTYPES
         p.kv_format = _kv_format(kv_cache.dtype)
         p.k_scale, p.v_scale = k_scale, v_scale
         p.k_scale_ptr, p.v_scale_ptr = buf.ptr(k_scale_tensor, "k_scale"), buf.ptr(v_scale_tensor, "v_scale")
