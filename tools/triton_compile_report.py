@@ -69,6 +69,10 @@ KB = 1024
 # Per-arch limits. smem_block: largest dynamic shared memory one block may opt into;
 # smem_sm: shared memory per SM (what resident blocks share; 1 KB of it reserved per block).
 ARCHS = {
+    # sm_80: only for compiling other projects' kernels whose speed was published on an A100
+    # (tools/ptx_harness/calibration.py); no launcher here is planned for it
+    80: dict(gpu="A100 (sm_80)", ptx_arch="sm_80", smem_block=163 * KB, smem_sm=164 * KB, threads_sm=2048,
+             regs_sm=65536, blocks_sm=32, sms=108),
     90: dict(gpu="H200 (sm_90)", ptx_arch="sm_90a", smem_block=227 * KB, smem_sm=228 * KB, threads_sm=2048,
              regs_sm=65536, blocks_sm=32, sms=132),
     120: dict(gpu="RTX PRO 6000 Blackwell (sm_120)", ptx_arch="sm_120a", smem_block=99 * KB, smem_sm=100 * KB,

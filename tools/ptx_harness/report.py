@@ -8,8 +8,11 @@ fp8 (e4m3) caches of the same shapes, and prints, per kernel and shape: bytes re
 V against the ideal of one read of each referenced byte; K + V bytes beside those of the bf16
 row, half for fp8), bytes
 written, dynamic warp-instructions by class, shared-memory bank conflicts per instruction (from
-the real addresses), and the longest chain of dependent global loads in the launch (kv_indptr ->
-kv_indices -> K/V is 3; per KV tile the chain is that minus the indptr load).
+the real addresses), the longest chain of dependent global loads in the launch (kv_indptr ->
+kv_indices -> K/V is 3; per KV tile the chain is that minus the indptr load), and what the
+speed-of-light model reads (shared-memory wavefronts and bytes per class, mma forms, L2 sector
+requests, distinct DRAM bytes, the busiest warp scheduler's instructions, cp.async bytes in
+flight; `python -m tools.ptx_harness.speed_of_light` turns them into modelled times).
 
 --json writes pytest-benchmark-compatible JSON: one entry per (kernel, shape, counter) whose
 `stats.median` is the counter value (a count, not seconds), so `python -m spec_kernels.bench
@@ -86,6 +89,14 @@ def run(keys: int, arch: str):
                     "bank_conflicts": int(sum(st.bank_conflicts.values())),
                     **{f"bank_conflicts.{k}": int(v) for k, v in sorted(st.bank_conflicts.items())},
                     "dependent_global_load_chain": st.load_chain,
+                    # what tools/speed_of_light reads
+                    **{f"shared_wavefronts.{k}": v for k, v in sorted(st.shared_wavefronts.items())},
+                    **{f"shared_bytes.{k}": v for k, v in sorted(st.shared_bytes.items())},
+                    **{f"mma.{k}": v for k, v in sorted(st.mma.items())},
+                    "l2_sector_requests": st.l2_sectors,
+                    "dram_bytes_distinct": sum(st.unique_read_by_buffer.values()) + sum(st.unique_written_by_buffer.values()),
+                    "issue_per_scheduler_max": int(st.issue_per_scheduler().max()),
+                    "cp_async_bytes_in_flight_max": st.cp_inflight_max,
                 }))
     return rows
 
@@ -104,6 +115,10 @@ def print_table(rows):
         print(f"  warp-instructions {c['warp_instructions']}: {cls}")
         bc = ", ".join(f"{k.split('.', 1)[1]} {v}" for k, v in c.items() if k.startswith("bank_conflicts."))
         print(f"  bank conflicts {c['bank_conflicts']}" + (f" ({bc})" if bc else ""))
+        wf = ", ".join(f"{k.split('.', 1)[1]} {v}" for k, v in c.items() if k.startswith("shared_wavefronts."))
+        print(f"  shared wavefronts: {wf}; L2 sector requests {c['l2_sector_requests']}, distinct DRAM bytes "
+              f"{c['dram_bytes_distinct']}; busiest scheduler {c['issue_per_scheduler_max']} warp-instructions; "
+              f"cp.async in flight <= {c['cp_async_bytes_in_flight_max']} B")
 
 
 def to_benchmark_json(rows, arch):

@@ -34,7 +34,7 @@ from typing import Optional
 import numpy as np
 
 from . import ops
-from .memory import (GENERIC_SHARED_BASE, PARAM_BASE, SHARED_BASE, GlobalMemory, Hazard,
+from .memory import (GENERIC_SHARED_BASE, GLOBAL_BASE, PARAM_BASE, REGION_SHIFT, SHARED_BASE, GlobalMemory, Hazard,
                      SharedMemory, SimError)
 from .numerics import (_NP, _SIGNED, _TYPES, _UNS, _f32, _size, bf16_to_f32, f16_to_f32,  # noqa: F401
                        f32_to_bf16, f32_to_e4m3_satfinite, f32_to_f16, ftz)
@@ -61,18 +61,82 @@ class Stats:
         self.global_read = 0
         self.global_written = 0
         self.bank_conflicts = collections.Counter()
-        self.shared_wavefronts = collections.Counter()
+        # what a throughput model needs (tools that predict time read these, see docs/ of the users)
+        self.shared_bytes = collections.Counter()       # class -> bytes moved through shared memory
+        self.shared_wavefronts = collections.Counter()  # class -> 128-byte shared-memory wavefronts
+        self.mma = collections.Counter()                # full mma form -> warp-instructions
+        self.l2_sectors = 0          # 32-byte sectors requested from L2: per warp-instruction, distinct
+        self.sector_bytes = 32
+        self._sectors = ({}, {})     # (read, written): region id -> arrays of sector numbers touched
+        self.unique_read_by_buffer = {}     # allocation name -> distinct bytes read (32-byte sectors)
+        self.unique_written_by_buffer = {}  # allocation name -> distinct bytes written (32-byte sectors)
+        self.written_by_buffer = {}  # allocation name -> bytes written by this launch (requests)
+        self.cp_inflight_max = 0     # most cp.async bytes one CTA had in flight at once
+        self.per_warp = None         # warp-instructions issued by each warp of the launch
+        self.warps_per_cta = 0
         self.fences = 0
         self.load_chain = 0          # longest chain of dependent global loads seen by one thread
         self.region_read = {}        # allocation name -> bytes read (all launches of the run)
         self.groups_max = 0
 
+    # ---- throughput counters, filled while the launch runs
+    def note_global(self, warps, addrs, width, write, names):
+        """One global access of `width` bytes per lane at `addrs` by lanes of the global warps
+        `warps`: the L2 sector requests (distinct per warp) and the sectors touched (per buffer)."""
+        if addrs.size == 0:
+            return
+        a = addrs.astype(np.int64) - GLOBAL_BASE
+        first, last = a >> 5, (a + width - 1) >> 5   # lanes' accesses are <= 16 bytes, aligned
+        w = warps.astype(np.int64) << 43
+        self.l2_sectors += int(np.unique(np.concatenate((w | first, w | last))).size)
+        sec = np.unique(np.concatenate((first, last)))
+        rid = sec >> (REGION_SHIFT - 5)
+        store = self._sectors[1 if write else 0]
+        for r in np.unique(rid):
+            store.setdefault(int(r), []).append(sec[rid == r])
+        if write:
+            rel = a >> REGION_SHIFT
+            for r in np.unique(rel):
+                name = names(int(r))
+                self.written_by_buffer[name] = self.written_by_buffer.get(name, 0) + int((rel == r).sum()) * width
+
+    def note_shared(self, klass, lanes, width, wavefronts):
+        self.shared_bytes[klass] += int(lanes) * width
+        self.shared_wavefronts[klass] += int(wavefronts)
+
+    def finish(self, names):
+        """Turn the raw records into per-buffer figures once the launch has ended."""
+        for store, out in zip(self._sectors, (self.unique_read_by_buffer, self.unique_written_by_buffer)):
+            for r, parts in store.items():
+                n = np.unique(np.concatenate(parts)).size * self.sector_bytes
+                out[names(r)] = out.get(names(r), 0) + int(n)
+        self._sectors = ({}, {})
+
+    def issue_per_scheduler(self, schedulers: int = 4):
+        """Warp-instructions per (CTA, warp scheduler): warp w of a CTA issues from scheduler
+        w % schedulers, as on sm_80 and later (4 SM sub-partitions)."""
+        if self.per_warp is None or not self.warps_per_cta:
+            return np.zeros((0, schedulers), np.int64)
+        pw = self.per_warp.reshape(-1, self.warps_per_cta)
+        out = np.zeros((pw.shape[0], schedulers), np.int64)
+        for w in range(self.warps_per_cta):
+            out[:, w % schedulers] += pw[:, w]
+        return out
+
     def as_dict(self):
+        sched = self.issue_per_scheduler()
         return {"warp_instructions": dict(self.warp_instr), "thread_instructions": self.thread_instr,
                 "global_bytes_read": self.global_read, "global_bytes_written": self.global_written,
                 "bank_conflicts": dict(self.bank_conflicts), "fences": self.fences,
                 "longest_dependent_global_load_chain": self.load_chain,
-                "bytes_read_by_buffer": dict(self.region_read)}
+                "bytes_read_by_buffer": dict(self.region_read),
+                "shared_bytes": dict(self.shared_bytes), "shared_wavefronts": dict(self.shared_wavefronts),
+                "mma": dict(self.mma), "l2_sector_requests": self.l2_sectors,
+                "unique_bytes_read_by_buffer": dict(self.unique_read_by_buffer),
+                "unique_bytes_written_by_buffer": dict(self.unique_written_by_buffer),
+                "bytes_written_by_buffer": dict(self.written_by_buffer),
+                "cp_async_bytes_in_flight_max": self.cp_inflight_max,
+                "issue_per_scheduler_max": int(sched.max()) if sched.size else 0}
 
 
 def _klass(op):
@@ -220,6 +284,9 @@ class _Run:
         self.R = {}
         self.defined = {}
         self.stats = Stats()
+        self.stats.per_warp = np.zeros(self.n_cta * self.wpc, np.int64)
+        self.stats.warps_per_cta = self.wpc
+        self.cp_inflight = np.zeros(self.n_cta, np.int64)  # cp.async bytes issued, not yet waited for
         cfg = e.__dict__.get("_cfg")  # per entry (the parse is cached): the analysis takes seconds on big kernels
         if cfg is None:
             cfg = e.__dict__["_cfg"] = _cfg_ipdom(e.instrs, e.labels)
@@ -312,8 +379,10 @@ class Machine:
             if gc_was_on:
                 gc.enable()
         region_read = {k: v - before.get(k, 0) for k, v in self.mem.region_read.items() if v != before.get(k, 0)}
+        names = lambda rid: self.mem.regions[rid][1]  # noqa: E731
         for r in runs:
             r.stats.region_read = region_read   # of all launches run together
+            r.stats.finish(names)
         for r in runs:
             r.stats.groups_max = max(r.stats.groups_max, 1)
         return [r.stats for r in runs]
@@ -475,11 +544,18 @@ class Machine:
                     sel = tids
             if isinstance(sel, slice):
                 nw = (tids.size + 31) // 32
+                if tids.size:
+                    st.per_warp[r.warp_of[tids[0]]:r.warp_of[tids[-1]] + 1] += 1
             else:
-                nw = np.unique(r.warp_of[tids]).size if tids.size else 0
+                ws = np.unique(r.warp_of[tids]) if tids.size else tids
+                nw = ws.size
+                st.per_warp[ws] += 1
             count += max(nw, 1)
             st.thread_instr += tids.size
-            st.warp_instr[_klass(ins.opcode)] += nw
+            klass = _klass(ins.opcode)
+            st.warp_instr[klass] += nw
+            if klass == "mma":
+                st.mma[ins.opcode] += nw
             self.clock_ns += 1
             try:
                 dec = prog[pc]

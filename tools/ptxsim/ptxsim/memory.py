@@ -287,11 +287,14 @@ class SharedMemory:
 
     def count_banks(self, threads, base_idx, width):
         """Bank conflicts of one warp-instruction: extra wavefronts beyond the minimum, per warp,
-        from the real addresses (32 banks of 4 bytes; a lane's access of > 4 bytes spans banks)."""
+        from the real addresses (32 banks of 4 bytes; a lane's access of > 4 bytes spans banks).
+        The wavefronts themselves (the most distinct words any bank serves, per warp, summed) are
+        left in `last_wavefronts`."""
         warps = self._gwarp(threads)
         words = (base_idx % self.size) // 4
         nwords = max(width // 4, 1)
         extra = 0
+        self.last_wavefronts = 0
         for w in np.unique(warps):
             sel = warps == w
             ws = (words[sel][:, None] + np.arange(nwords)).ravel()
@@ -300,5 +303,6 @@ class SharedMemory:
             ideal = max(1, -(-(sel.sum() * nwords) // 32))
             extra += max(int(per_bank.max()) - ideal, 0)
             self.wavefronts += int(per_bank.max())
+            self.last_wavefronts += int(per_bank.max())
         self.bank_conflicts += extra
         return extra

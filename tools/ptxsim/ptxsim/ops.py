@@ -858,6 +858,16 @@ def Operand_reg(name):
     return Operand("reg", name=name)
 
 
+def _shared_counters(r, opcode, klass, tids, idx, width):
+    """Bank conflicts (per form), bytes and wavefronts (per class) of one shared access."""
+    r.stats.bank_conflicts[opcode] += r.smem.count_banks(tids, idx, width)
+    r.stats.note_shared(klass, tids.size, width, r.smem.last_wavefronts)
+
+
+def _region_name(m):
+    return lambda rid: m.mem.regions[rid][1]
+
+
 class _Access:
     """Route a vectorised access to global, shared or param memory."""
 
@@ -872,7 +882,7 @@ class _Access:
             return self._generic(tids, addrs, width, None)
         if space == "shared":
             idx = r.smem.index(tids, addrs, width, "load")
-            r.stats.bank_conflicts[self.c.ins.opcode] += r.smem.count_banks(tids, idx, width)
+            _shared_counters(r, self.c.ins.opcode, "ld.shared", tids, idx, width)
             return r.smem.access(tids, idx, width, False, f"{self.what}")
         if space in ("param",):
             off = addrs - PARAM_BASE
@@ -887,6 +897,7 @@ class _Access:
                 m.mem.race_check(r, tids, addrs.astype(np.uint64), width, False, "load")
             out = m.mem.load(addrs.astype(np.uint64), width)
             r.stats.global_read += m.mem.bytes_read - before
+            r.stats.note_global(r.warp_of[tids], addrs, width, False, _region_name(m))
             return out
         raise SimError(f"{space} memory is not modelled")
 
@@ -897,7 +908,7 @@ class _Access:
             return self._generic(tids, addrs, width, data)
         if self.space == "shared":
             idx = r.smem.index(tids, addrs, width, "store")
-            r.stats.bank_conflicts[self.c.ins.opcode] += r.smem.count_banks(tids, idx, width)
+            _shared_counters(r, self.c.ins.opcode, "st.shared", tids, idx, width)
             r.smem.access(tids, idx, width, True, self.what, data)
             return None
         if self.space == "global":
@@ -906,6 +917,7 @@ class _Access:
                 m.mem.race_check(r, tids, addrs.astype(np.uint64), width, True, "store")
             m.mem.store(addrs.astype(np.uint64), data)
             r.stats.global_written += m.mem.bytes_written - before
+            r.stats.note_global(r.warp_of[tids], addrs, width, True, _region_name(m))
             return None
         raise SimError(f"store to {self.space} memory is not modelled")
 
@@ -1179,7 +1191,7 @@ def h_ldmatrix(c, parts, ops, pc):
         rows_t = W[:, :8 * num]
         rows_a = a[:, :8 * num]
         idx = r.smem.index(rows_t.ravel(), rows_a.ravel(), 16, "ldmatrix")
-        r.stats.bank_conflicts[c.ins.opcode] += r.smem.count_banks(rows_t.ravel(), idx, 16)
+        _shared_counters(r, c.ins.opcode, "ldmatrix", rows_t.ravel(), idx, 16)
         data = r.smem.access(rows_t.ravel(), idx, 16, False, "ldmatrix")
         mats = data.view(np.uint16).reshape(W.shape[0], num, 8, 8)   # warp, matrix, row, col
         g, t = LANES // 4, LANES % 4
@@ -1214,7 +1226,7 @@ def h_stmatrix(c, parts, ops, pc):
                 mats[:, mi, g, 2 * t], mats[:, mi, g, 2 * t + 1] = lo, hi
         rows_t = W[:, :8 * num].ravel()
         idx = r.smem.index(rows_t, a[:, :8 * num].ravel(), 16, "stmatrix")
-        r.stats.bank_conflicts[c.ins.opcode] += r.smem.count_banks(rows_t, idx, 16)
+        _shared_counters(r, c.ins.opcode, "stmatrix", rows_t, idx, 16)
         r.smem.access(rows_t, idx, 16, True, "stmatrix", mats.reshape(-1, 16 * 1).view(np.uint8).reshape(-1, 16)
                       if False else mats.reshape(W.shape[0] * num * 8, 8).view(np.uint8).reshape(-1, 16))
     return _op(f)
@@ -1316,7 +1328,7 @@ def h_cp(c, parts, ops, pc):
         if np.any(ss > size) or np.any(ss < 0):
             raise SimError(f"cp.async src-size {int(ss.max())} above the copy size {size}")
         idx = r.smem.index(tids, d, size, "cp.async")
-        r.stats.bank_conflicts[c.ins.opcode] += r.smem.count_banks(tids, idx, size)
+        _shared_counters(r, c.ins.opcode, "cp.async", tids, idx, size)
         if np.any(r.smem.pending[idx[:, None] + np.arange(size)]):
             raise Hazard("cp.async into shared bytes that an earlier cp.async still has pending")
         # the copy may land any time from now on: it races with unordered reads/writes of others now
@@ -1331,12 +1343,15 @@ def h_cp(c, parts, ops, pc):
             part = m.mem.load(s[mk].astype(np.uint64), int(k)) if int(k) in (1, 2, 4, 8, 16) and np.all(s[mk] % k == 0) \
                 else np.stack([m.mem.load(s[mk].astype(np.uint64) + j, 1)[:, 0] for j in range(int(k))], axis=1)
             r.stats.global_read += m.mem.bytes_read - before
+            r.stats.note_global(r.warp_of[tids[mk]], s[mk], int(k), False, _region_name(m))
             data[mk, :int(k)] = part
         r.smem.pending[idx[:, None] + np.arange(size)] = True
         depth = max((r.load_depth.get(x, 0) for x in src_regs), default=0) + 1
         if depth > r.stats.load_chain:
             r.stats.load_chain = depth
         r.cp_pending.append((tids.copy(), r.cp_group[tids].copy(), idx, data))
+        r.cp_inflight += np.bincount(r.cta_of[tids], minlength=r.n_cta) * size
+        r.stats.cp_inflight_max = max(r.stats.cp_inflight_max, int(r.cp_inflight.max()))
     return _op(f)
 
 
@@ -1350,6 +1365,7 @@ def _cp_complete(r, tids, n):
             w = np.arange(data.shape[1])
             sm.pending[idx[done][:, None] + w] = False
             sm.access(ts[done], idx[done], data.shape[1], True, "cp.async completion", data[done], check=False)
+            r.cp_inflight -= np.bincount(r.cta_of[ts[done]], minlength=r.n_cta) * data.shape[1]
         if (~done).any():
             keep.append((ts[~done], grp[~done], idx[~done], data[~done]))
     r.cp_pending = keep

@@ -1,0 +1,1 @@
+"""Speed-of-light model: predicted launch time from interpreter counters and per-GPU rates."""
