@@ -243,35 +243,30 @@ def print_table(rows: list[dict]) -> None:
             print(f"{key}: rates without a public source (assumed): {', '.join(assumed)}")
 
 
+def _entry(kernel: str, r: dict, seconds: float, extra: dict) -> dict:
+    """One pytest-benchmark entry: the modelled seconds as the statistics."""
+    return {"name": f"sol::{kernel}[{r['gpu']}-{r['shape']}]", "group": "speed-of-light",
+            "params": {"gpu": r["gpu"], "shape": r["shape"]},
+            "stats": {"min": seconds, "max": seconds, "mean": seconds, "median": seconds, "rounds": 1, "iterations": 1},
+            "extra_info": {"unit": "seconds (modelled, not measured)",
+                           "expected_seconds_on_gpu": list(expected_range(seconds)), **extra}}
+
+
 def to_benchmark_json(rows: list[dict]) -> dict:
     from tools.ptx_harness.report import _commit
 
     benches = []
     for r in rows:
         p: Prediction = r["prediction"]
-        benches.append({
-            "name": f"sol::tree_verify_cuda[{r['gpu']}-{r['shape']}]", "group": "speed-of-light",
-            "params": {"gpu": r["gpu"], "shape": r["shape"]},
-            "stats": {"min": p.seconds, "max": p.seconds, "mean": p.seconds, "median": p.seconds, "rounds": 1,
-                      "iterations": 1},
-            "extra_info": {"unit": "seconds (modelled, not measured)", "bottleneck": p.bottleneck,
-                           "of_floor": p.of_floor, "units": p.units, "splits": r["splits"], "ctas": r["ctas"],
-                           "block_m": r["block_m"], "resident": r["resident"], "gbps": r["bandwidth"] / 1e9,
-                           "bytes": r["ideal_bytes"], "expected_seconds_on_gpu": list(expected_range(p.seconds)),
-                           "calibration_band": list(CALIBRATION_BAND)},
-        })
+        benches.append(_entry("tree_verify_cuda", r, p.seconds, {
+            "bottleneck": p.bottleneck, "of_floor": p.of_floor, "units": p.units, "splits": r["splits"],
+            "ctas": r["ctas"], "block_m": r["block_m"], "resident": r["resident"], "gbps": r["bandwidth"] / 1e9,
+            "bytes": r["ideal_bytes"], "calibration_band": list(CALIBRATION_BAND)}))
         if r.get("sglang"):
             a: Prediction = r["sglang"]["prediction"]
-            benches.append({
-                "name": f"sol::sglang_triton_extend[{r['gpu']}-{r['shape']}]", "group": "speed-of-light",
-                "params": {"gpu": r["gpu"], "shape": r["shape"]},
-                "stats": {"min": a.seconds, "max": a.seconds, "mean": a.seconds, "median": a.seconds, "rounds": 1,
-                          "iterations": 1},
-                "extra_info": {"unit": "seconds (modelled, not measured)", "bottleneck": a.bottleneck,
-                               "of_floor": a.of_floor, "units": a.units, "ctas": r["sglang"]["ctas"],
-                               "gbps": r["sglang"]["bandwidth"] / 1e9, "ours_faster_by": a.seconds / p.seconds,
-                               "expected_seconds_on_gpu": list(expected_range(a.seconds))},
-            })
+            benches.append(_entry("sglang_triton_extend", r, a.seconds, {
+                "bottleneck": a.bottleneck, "of_floor": a.of_floor, "units": a.units, "ctas": r["sglang"]["ctas"],
+                "gbps": r["sglang"]["bandwidth"] / 1e9, "ours_faster_by": a.seconds / p.seconds}))
     return {"machine_info": {"node": "speed-of-light model", "note": "modelled from interpreter counters"},
             "commit_info": _commit(), "benchmarks": benches,
             "datetime": datetime.datetime.now(datetime.timezone.utc).isoformat(), "version": "sol"}

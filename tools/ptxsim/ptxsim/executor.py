@@ -86,10 +86,15 @@ class Stats:
         if addrs.size == 0:
             return
         a = addrs.astype(np.int64) - GLOBAL_BASE
-        first, last = a >> 5, (a + width - 1) >> 5   # lanes' accesses are <= 16 bytes, aligned
+        first = a >> 5
         w = warps.astype(np.int64) << 43
-        self.l2_sectors += int(np.unique(np.concatenate((w | first, w | last))).size)
-        sec = np.unique(np.concatenate((first, last)))
+        last = (a + width - 1) >> 5  # aligned accesses of <= 16 bytes never cross a sector: skip the join
+        if np.array_equal(first, last):
+            self.l2_sectors += int(np.unique(w | first).size)
+            sec = np.unique(first)
+        else:
+            self.l2_sectors += int(np.unique(np.concatenate((w | first, w | last))).size)
+            sec = np.unique(np.concatenate((first, last)))
         rid = sec >> (REGION_SHIFT - 5)
         store = self._sectors[1 if write else 0]
         for r in np.unique(rid):
