@@ -1,10 +1,11 @@
-"""SGLang's Triton extend-attention kernel (the tree-verify anchor the targets name), wherever it can be had.
+"""SGLang's Triton attention kernels (extend: the tree-verify anchor the targets name; decode and its
+split-count kernel), wherever they can be had.
 
 * An installed SGLang (``pip install sglang==0.5.23``; on CPU machines with the pins of
   requirements/sglang-cpu.txt) is imported as usual.
 * The GPU machine has no SGLang and cannot install its ~80 dependencies (no internet), yet the
-  kernel needs none of them: with ``SPEC_KERNELS_SGLANG_SRC=DIR``, DIR holding SGLang's four
-  source files below (in their ``sglang/...`` folders), the three kernel modules and
+  kernel needs none of them: with ``SPEC_KERNELS_SGLANG_SRC=DIR``, DIR holding SGLang's five
+  source files below (in their ``sglang/...`` folders), the four kernel modules and
   ``sglang/srt/environ.py`` (stdlib only) are loaded from there WITHOUT running
   ``sglang/__init__.py`` (which imports the server), and ``sglang.srt.utils`` is replaced by the
   platform checks the kernels ask (an NVIDIA GPU: CUDA, not HIP). SGLang's code runs as shipped.
@@ -29,8 +30,11 @@ import torch
 
 SRC_ENV = "SPEC_KERNELS_SGLANG_SRC"
 _KERNEL = "sglang.kernels.ops.attention.extend_attention"
+_DECODE = "sglang.kernels.ops.attention.decode_attention"
+_METADATA = "sglang.kernels.ops.attention.metadata"
 SOURCES = ("sglang/kernels/ops/attention/extend_attention.py", "sglang/kernels/ops/attention/decode_attention.py",
-           "sglang/kernels/ops/attention/score_mod.py", "sglang/srt/environ.py")
+           "sglang/kernels/ops/attention/score_mod.py", "sglang/kernels/ops/attention/metadata.py",
+           "sglang/srt/environ.py")
 _PACKAGES = ("sglang", "sglang.srt", "sglang.kernels", "sglang.kernels.ops", "sglang.kernels.ops.attention")
 
 _loaded: Optional[Callable] = None
@@ -87,6 +91,19 @@ def extend_attention_fwd() -> Callable:
     if _loaded is None:
         raise ImportError(_why_not)
     return _loaded
+
+
+def decode_attention_fwd() -> Callable:
+    """sglang.kernels.ops.attention.decode_attention.decode_attention_fwd (SGLang 0.5.23's signature)."""
+    extend_attention_fwd()  # loads the package the same way (installed, or the staged sources)
+    return importlib.import_module(_DECODE).decode_attention_fwd
+
+
+def num_kv_splits_kernel():
+    """sglang.kernels.ops.attention.metadata.get_num_kv_splits_triton: the decode split count
+    SGLang's triton backend computes per batch."""
+    extend_attention_fwd()
+    return importlib.import_module(_METADATA).get_num_kv_splits_triton
 
 
 def stage(dest: Path) -> list[Path]:

@@ -22,11 +22,31 @@ def test_report_on_the_quick_shapes(tmp_path, capsys):
     assert decode["extra_info"]["bottleneck"] == "DRAM" and decode["extra_info"]["of_floor"] > 0.8
     assert verify["extra_info"]["bottleneck"] in ("issue", "shared memory")
     assert 1.0 < verify["stats"]["median"] / decode["stats"]["median"] < 2.0
-    # the anchor (sm_120 only): SGLang's extend kernel reads K/V once per q head through L2 and
-    # computes 64-row tiles for 16 drafts; the model puts it behind ours
-    anchor = [b for b in doc["benchmarks"] if b["name"].startswith("sol::sglang_triton_extend")]
-    assert [b["params"] for b in anchor] == [{"gpu": "rtx-pro-6000", "shape": "verify16_B32_L4096_h32x4_d128"}]
-    assert anchor[0]["extra_info"]["ours_faster_by"] > 1.0
+    # the kernels beside ours, same interpreter and shapes, on both GPUs: our Triton kernel is
+    # within 25% of the CUDA one; SGLang's extend kernel (one program per q head, 64- or 128-row
+    # tiles for 16 drafts) is slower on verify; its decode kernel, DRAM-bound like ours, is close
+    anchors = {}
+    for b in doc["benchmarks"]:
+        kernel = b["name"].split("[")[0]
+        if kernel != "sol::tree_verify_cuda":
+            anchors[(kernel, b["params"]["gpu"], b["params"]["shape"])] = b["extra_info"]
+    gpus = ("h200", "rtx-pro-6000")
+    decode_shape, verify_shape = "decode_B32_L4096_h32x4_d128", "verify16_B32_L4096_h32x4_d128"
+    expected = ({("sol::tree_verify_triton", g, s) for g in gpus for s in (decode_shape, verify_shape)}
+                | {("sol::sglang_triton_extend", g, verify_shape) for g in gpus}
+                | {("sol::sglang_triton_decode", g, decode_shape) for g in gpus})
+    assert set(anchors) == expected
+    for (kernel, gpu, shape), info in anchors.items():
+        assert info["compiled_for"].startswith("sm_90" if gpu == "h200" else "sm_120")
+        if kernel == "sol::sglang_triton_extend":
+            assert info["cuda_faster_by"] > 1.5, (gpu, info["cuda_faster_by"])
+        else:
+            assert 0.8 < info["cuda_faster_by"] < 1.25, (kernel, gpu, info["cuda_faster_by"])
+    assert anchors[("sol::sglang_triton_decode", "h200", decode_shape)]["splits"] > 1
+    # SGLang picks its extend tile from the CUDA capability: shown each target's, the two GPUs get
+    # different tiles (sm_90 128 x 64, sm_120 64 x 128), not one fallback tile for both
+    extend = {g: anchors[("sol::sglang_triton_extend", g, verify_shape)]["launch"] for g in gpus}
+    assert extend["h200"]["smem"] != extend["rtx-pro-6000"]["smem"], extend
     lo, hi = verify["extra_info"]["expected_seconds_on_gpu"]
     assert lo > verify["stats"]["median"] and hi > lo
     assert bench_main(["compare", str(out), str(out)]) == 0

@@ -10,6 +10,14 @@ streams, and tools/speed_of_light/model.py predicts the launch (plus the split m
 are splits) at the rates of tools/speed_of_light/gpus.py. The report names the bottleneck unit
 and the fraction of the roofline floor (ideal bytes at peak DRAM bandwidth).
 
+Beside ours, through the same interpreter and model at the same shapes (--no-anchor leaves them
+out): our Triton kernel as its launcher plans it, and SGLang 0.5.23's Triton kernels as its triton
+backend runs them, the extend kernel with its n x (L + n) mask for verify and the decode kernel
+(stage 1 at SGLang's own split count, stage 2) for n = 1. SGLang picks its extend tile from the
+CUDA capability, so it is shown the target's. Triton emits wgmma on sm_90, which the interpreter
+does not run: for H200 the Triton kernels are compiled with mma.sync instead (a stand-in, slower
+than the real code where the tensor unit binds; the report says so on every such row).
+
 Every figure is modelled, none measured; the model's error band is the one calibration.py states.
 --json writes pytest-benchmark JSON (predicted seconds in stats.median) for
 `python -m spec_kernels.bench compare`.
@@ -17,6 +25,7 @@ Every figure is modelled, none measured; the model's error band is the one calib
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import datetime
 import json
@@ -29,6 +38,7 @@ from tools.speed_of_light.gpus import GPUS, Gpu
 from tools.speed_of_light.model import (CALIBRATION_BAND, Prediction, Work, combine, expected_range, fit_linear,
                                         fmt_seconds, predict, work_from_stats)
 
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 D = 128
 SIM_PREFIXES = (128, 256)  # prefix keys of the two simulated points per configuration
 MERGE_SPLITS = (2, 4)
@@ -68,41 +78,71 @@ def shapes(quick: bool) -> list[Shape]:
             for n in (1, 4, 8, 16)]
 
 
+@dataclasses.dataclass(frozen=True)
+class TritonTarget:
+    """How a Triton kernel is compiled to stand for its code on `gpu`."""
+
+    arch: int  # Triton's GPUTarget arch
+    capability: tuple  # what torch.cuda.get_device_capability() would say (SGLang picks its tiles from it)
+    mma_v2_only: bool  # sm_90: mma.sync in place of the wgmma Triton emits there (the interpreter runs no wgmma)
+    max_smem: int
+
+    @property
+    def note(self) -> str:
+        return (f"sm_{self.arch}" + (" with mma.sync in place of wgmma (Triton's DISABLE_MMA_V3): a stand-in; "
+                                     "wgmma code is faster where the tensor unit binds" if self.mma_v2_only else ""))
+
+
+def triton_target(gpu: Gpu) -> TritonTarget:
+    from spec_kernels.attention.plan import DEVICES
+
+    major = int(gpu.arch[3:].rstrip("a")) // 10
+    return TritonTarget(major * 10, (major, 0), major == 9, DEVICES[gpu.key].max_smem_per_cta)
+
+
+# SGLang's --triton-attention-num-kv-splits default (`python -m sglang.launch_server --help`)
+SGLANG_MAX_KV_SPLITS = 8
+
+
 class Simulator:
-    """One CTA's counters per (arch, n, group, prefix), cached: the interpreter is the slow part."""
+    """One CTA's counters per (arch, kernel, n, group, prefix), cached: the interpreter is the slow part."""
 
     def __init__(self):
-        self._tv: dict = {}
-        self._merge: dict = {}
-        self._sglang: dict = {}
+        self._cache: dict = {}
+
+    def _cached(self, key, make):
+        if key not in self._cache:
+            self._cache[key] = make()
+        return self._cache[key]
 
     def tree_verify(self, arch: str, n: int, group: int, prefix: int) -> tuple[Work, dict]:
-        key = (arch, n, group, prefix)
-        if key not in self._tv:
+        def make():
             ops = self._run(arch, n, group, prefix, splits=1)
             name, grid, block, smem, st = ops.launches[0]
             ctas = int(math.prod(grid))
-            self._tv[key] = (work_from_stats(st.as_dict(), ctas), dict(grid=list(grid), block=list(block), smem=smem))
-        return self._tv[key]
+            return work_from_stats(st.as_dict(), ctas), dict(grid=list(grid), block=list(block), smem=smem)
+        return self._cached(("cuda", arch, n, group, prefix), make)
 
     def merge(self, arch: str, n: int, group: int, splits: int) -> Work:
-        key = (arch, n, group, splits)
-        if key not in self._merge:
+        def make():
             ops = self._run(arch, n, group, 64 * splits, splits=splits)
             name, grid, block, smem, st = ops.launches[-1]
             if not name.startswith("merge"):
                 raise RuntimeError(f"expected the split merge as the last launch, got {name}")
-            self._merge[key] = work_from_stats(st.as_dict(), int(math.prod(grid)))
-        return self._merge[key]
+            return work_from_stats(st.as_dict(), int(math.prod(grid)))
+        return self._cached(("cuda-merge", arch, n, group, splits), make)
 
-    def sglang_extend(self, n: int, group: int, prefix: int) -> tuple[Work, float, dict]:
-        """SGLang 0.5.23's Triton extend kernel as its triton backend runs target verify (the
-        n x (L + n) mask, the drafts' K/V contiguous), compiled for sm_120, for one request and
-        one KV head: per-CTA work, the launch's distinct DRAM bytes, the launch's shape."""
-        key = (n, group, prefix)
-        if key not in self._sglang:
-            self._sglang[key] = _run_sglang_extend(n, group, prefix)
-        return self._sglang[key]
+    def triton(self, target: TritonTarget, kernel: str, *key) -> list:
+        """The launches of one Triton run (`_TRITON_RUNS[kernel](*key)`) for `target`, as
+        (Work per CTA, distinct DRAM bytes of the launch, launch shape) per launch."""
+        return self._triton(target, kernel, *key)[0]
+
+    def sglang_splits(self, target: TritonTarget, *key) -> int:
+        """SGLang's split count for a decode batch (_sglang_splits_run's result)."""
+        return self._triton(target, "sglang_splits", *key)[1]
+
+    def _triton(self, target, kernel, *key):
+        return self._cached((kernel, target) + key, lambda: _run_triton(target, _TRITON_RUNS[kernel], *key))
 
     @staticmethod
     def _run(arch, n, group, prefix, splits):
@@ -117,56 +157,192 @@ class Simulator:
         return ops
 
 
-def _run_sglang_extend(n: int, group: int, prefix: int):
-    import torch
-
+def _run_triton(target: TritonTarget, body, *key) -> tuple:
     from tools.ptx_harness.triton_glue import TritonPtxRunner
 
-    sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))),
-                                    "benchmarks"))
-    import _sglang_kernels  # the benchmark's loader of SGLang's kernel (installed, or staged sources)
+    runner = TritonPtxRunner(arch=target.arch, check_races=False, max_smem=target.max_smem,
+                             mma_v2_only=target.mma_v2_only)
+    sees = _sglang_sees(target) if body.__name__.startswith("_sglang") else contextlib.nullcontext()
+    with runner.active(), sees:
+        value = body(*key)
+    out = []
+    for launch in runner.launches:
+        d = launch.stats.as_dict()
+        distinct = sum(d["unique_bytes_read_by_buffer"].values()) + sum(d["unique_bytes_written_by_buffer"].values())
+        out.append((work_from_stats(d, int(math.prod(launch.grid))), float(distinct),
+                    dict(kernel=launch.kernel, grid=list(launch.grid), block=list(launch.block), smem=launch.shared)))
+    return out, value
 
-    extend_attention_fwd = _sglang_kernels.extend_attention_fwd()
-    L = prefix + n
+
+@contextlib.contextmanager
+def _sglang_sees(target: TritonTarget):
+    """SGLang's extend kernel picks its tile from the CUDA capability it read at import: show it
+    the target's (on this CPU machine it would take its pre-Ampere fallback tile)."""
+    _sglang().extend_attention_fwd()  # imported (installed, or the staged sources) before it is shown anything
+    mod = sys.modules["sglang.kernels.ops.attention.extend_attention"]
+    saved = {k: getattr(mod, k) for k in ("_is_cuda", "CUDA_CAPABILITY") if hasattr(mod, k)}
+    mod._is_cuda, mod.CUDA_CAPABILITY = True, target.capability
+    try:
+        yield
+    finally:
+        for k in ("_is_cuda", "CUDA_CAPABILITY"):
+            if k in saved:
+                setattr(mod, k, saved[k])
+            elif hasattr(mod, k):
+                delattr(mod, k)
+
+
+def _sglang():
+    sys.path.insert(0, os.path.join(REPO, "benchmarks"))
+    import _sglang_kernels  # the benchmark's loader of SGLang's kernels (installed, or staged sources)
+
+    return _sglang_kernels
+
+
+def _tensors(n: int, group: int, prefix: int):
+    import torch
+
     gen = torch.Generator().manual_seed(1)
+    L = prefix + n
     k_cache, v_cache = (torch.randn(L, 1, D, generator=gen).to(torch.bfloat16) for _ in range(2))
     q = torch.randn(n, group, D, generator=gen).to(torch.bfloat16)
-    out = torch.empty_like(q)
-    slots = torch.randperm(L, generator=gen)
+    return q, k_cache, v_cache, torch.randperm(L, generator=gen)
+
+
+def _sglang_extend_run(n: int, group: int, prefix: int) -> None:
+    """SGLang 0.5.23's Triton extend kernel as its triton backend runs target verify (the
+    n x (L + n) mask, the drafts' K/V contiguous), one request and one KV head."""
+    import torch
+
+    extend_attention_fwd = _sglang().extend_attention_fwd()
+    q, k_cache, v_cache, slots = _tensors(n, group, prefix)
+    L = prefix + n
     mask = torch.ones(n, L, dtype=torch.bool)
     mask[:, prefix:] = torch.tril(torch.ones(n, n, dtype=torch.bool))  # a chain: any tree costs the same
-    runner = TritonPtxRunner(arch=120, check_races=False)
-    with runner.active():
-        extend_attention_fwd(q, k_cache[slots[prefix:]], v_cache[slots[prefix:]], out, k_cache, v_cache,
-                             torch.tensor([0, n], dtype=torch.int32), torch.tensor([0, prefix], dtype=torch.int32),
-                             slots[:prefix].long(), mask.flatten(), True, torch.tensor([0, n * L]), n, 1.0, 1.0,
-                             sm_scale=D ** -0.5)
-    launch = runner.launches[-1]
-    d = launch.stats.as_dict()
-    ctas = int(math.prod(launch.grid))
-    distinct = sum(d["unique_bytes_read_by_buffer"].values()) + sum(d["unique_bytes_written_by_buffer"].values())
-    return work_from_stats(d, ctas), float(distinct), dict(grid=list(launch.grid), block=list(launch.block),
-                                                           smem=launch.shared, config=launch.kernel)
+    extend_attention_fwd(q, k_cache[slots[prefix:]], v_cache[slots[prefix:]], torch.empty_like(q), k_cache, v_cache,
+                         torch.tensor([0, n], dtype=torch.int32), torch.tensor([0, prefix], dtype=torch.int32),
+                         slots[:prefix].long(), mask.flatten(), True, torch.tensor([0, n * L]), n, 1.0, 1.0,
+                         sm_scale=D ** -0.5)
 
 
-def sglang_anchor(sim: Simulator, gpu: Gpu, s: Shape) -> Optional[dict]:
-    """The anchor beside our kernel: RTX PRO 6000 only (for sm_90 Triton emits wgmma, which the
-    interpreter does not execute), verify only (its decode is another kernel)."""
-    if gpu.key != "rtx-pro-6000" or s.n == 1:
-        return None
+def _sglang_decode_run(group: int, keys: int, splits: int) -> None:
+    """SGLang 0.5.23's Triton decode kernel (stage 1 over `splits` KV splits of one request's
+    `keys` keys, then stage 2, the merge), one request and one KV head. Its stage-1 grid has
+    max_kv_splits CTAs per head tile, those past the request's split count returning at once:
+    here max_kv_splits = splits, so every simulated CTA works."""
+    import torch
+
+    decode_attention_fwd = _sglang().decode_attention_fwd()
+    q, k_cache, v_cache, slots = _tensors(1, group, keys - 1)
+    logits = torch.empty(1, group, splits, D, dtype=torch.float32)
+    lse = torch.empty(1, group, splits, dtype=torch.float32)
+    decode_attention_fwd(q, k_cache, v_cache, torch.empty_like(q), torch.tensor([0, keys], dtype=torch.int32),
+                         slots.to(torch.int32), logits, lse, torch.tensor([splits], dtype=torch.int32),
+                         splits, D ** -0.5, 1.0, 1.0)
+
+
+def _sglang_splits_run(batch: int, seq_len: int, hq: int, hkv: int, sms: int) -> int:
+    """SGLang's own split count for a decode batch (its get_num_kv_splits_triton, as its triton
+    backend calls it), compiled and run like the kernels."""
+    import torch
+
+    get_num_kv_splits_triton = _sglang().num_kv_splits_kernel()
+    out = torch.zeros(batch, dtype=torch.int32)
+    seq_lens = torch.full((batch,), seq_len, dtype=torch.int32)
+    get_num_kv_splits_triton[(1,)](out, seq_lens, batch, 1, hq, hkv, SGLANG_MAX_KV_SPLITS, sms,
+                                   uneven_batch_ptr=None, MAX_NUM_SEQ=max(256, 1 << (batch - 1).bit_length()))
+    return int(out.max())
+
+
+def _ours_triton_run(n: int, group: int, prefix: int, splits: int) -> None:
+    import torch
+
+    import spec_kernels
+    from spec_kernels.testing import make_case
+
+    case = make_case([n], [prefix], dtype=torch.bfloat16, seed=1, hq=group, hkv=1, d=D)
+    if n == 1:
+        spec_kernels.decode_attention(case.q, case.k_cache, case.v_cache, case.kv_indptr, case.kv_indices,
+                                      impl="triton", num_kv_splits=splits)
+    else:
+        spec_kernels.tree_verify_attention(*case.args, impl="triton", num_kv_splits=splits)
+
+
+_TRITON_RUNS = {"sglang_extend": _sglang_extend_run, "sglang_decode": _sglang_decode_run,
+                "sglang_splits": _sglang_splits_run, "ours_triton": _ours_triton_run}
+
+
+def _anchor(gpu: Gpu, s: Shape, parts: list[Prediction], ctas: int) -> dict:
+    total = combine(parts, ideal_bytes=s.ideal_bytes(), gpu=gpu, ideal_flops=s.ideal_flops()) if len(parts) > 1 \
+        else parts[0]
+    return dict(prediction=total, ctas=ctas, bandwidth=s.ideal_bytes() / total.seconds)
+
+
+def _distinct(u0: float, u1: float, x0: float, x1: float, x: float) -> float:
+    return u0 + (u1 - u0) * (x - x0) / (x1 - x0)
+
+
+def sglang_anchor(sim: Simulator, gpu: Gpu, s: Shape) -> dict:
+    """SGLang's Triton kernels beside ours: extend (target verify) for n > 1, decode for n = 1."""
     from spec_kernels.attention.plan import DEVICES, KernelResources, resident_ctas_per_sm
 
+    t = triton_target(gpu)
     p0, p1 = SIM_PREFIXES
-    (w0, u0, cfg), (w1, u1, _) = sim.sglang_extend(s.n, s.group, p0), sim.sglang_extend(s.n, s.group, p1)
-    prefix = s.L - s.n
-    w = fit_linear(p0, w0, p1, w1, prefix)
-    distinct = (u0 + (u1 - u0) * (prefix - p0) / (p1 - p0)) * s.B * s.hkv
-    ctas = s.B * s.hkv * math.prod(cfg["grid"])  # its grid: (request, q head, row block)
-    # registers are not known without ptxas: 255 per thread (the most), so the fewest resident CTAs
-    resident = resident_ctas_per_sm(KernelResources(cfg["block"][0], 255, cfg["smem"]), DEVICES[gpu.key])
-    p = predict(gpu, w, ctas, resident, ideal_bytes=s.ideal_bytes(), ideal_flops=s.ideal_flops(),
-                launch_dram_bytes=distinct)  # the q heads of a group read the same K/V (through L2)
-    return dict(prediction=p, ctas=ctas, resident=resident, bandwidth=s.ideal_bytes() / p.seconds)
+    limits = DEVICES[gpu.key]
+
+    def resident(cfg):  # registers are not known without ptxas: 255 per thread (the most), the fewest CTAs
+        return resident_ctas_per_sm(KernelResources(cfg["block"][0], 255, cfg["smem"]), limits)
+
+    if s.n > 1:
+        (w0, u0, cfg), = sim.triton(t, "sglang_extend", s.n, s.group, p0)
+        (w1, u1, _), = sim.triton(t, "sglang_extend", s.n, s.group, p1)
+        prefix = s.L - s.n
+        w = fit_linear(p0, w0, p1, w1, prefix)
+        ctas = s.B * s.hkv * math.prod(cfg["grid"])  # its grid: (request, q head, row block)
+        p = predict(gpu, w, ctas, resident(cfg), ideal_bytes=s.ideal_bytes(), ideal_flops=s.ideal_flops(),
+                    launch_dram_bytes=_distinct(u0, u1, p0, p1, prefix) * s.B * s.hkv)  # q heads share K/V via L2
+        return {"sglang_triton_extend": dict(_anchor(gpu, s, [p], ctas), config=cfg, target=t.note)}
+    splits = sim.sglang_splits(t, s.B, s.L, s.hq, s.hkv, gpu.sms)
+    chunk = -(-s.L // splits)
+    (w0, u0, cfg), _ = sim.triton(t, "sglang_decode", s.group, p0, 1)
+    (w1, u1, _), _ = sim.triton(t, "sglang_decode", s.group, p1, 1)
+    stage1 = fit_linear(p0, w0, p1, w1, chunk)
+    ctas = s.B * s.hkv * splits  # its grid is (request, head tile, max splits); splits past the count return at once
+    parts = [predict(gpu, stage1, ctas, resident(cfg), ideal_bytes=s.ideal_bytes(), ideal_flops=s.ideal_flops(),
+                     launch_dram_bytes=_distinct(u0, u1, p0, p1, chunk) * ctas)]
+    (_, _, _), (m0, _, mcfg) = sim.triton(t, "sglang_decode", s.group, 2 * p0, MERGE_SPLITS[0])
+    (_, _, _), (m1, _, _) = sim.triton(t, "sglang_decode", s.group, 2 * p0, MERGE_SPLITS[1])
+    merge = fit_linear(MERGE_SPLITS[0], m0, MERGE_SPLITS[1], m1, splits)
+    parts.append(predict(gpu, merge, s.B * s.hq, resident(mcfg), ideal_bytes=0.0))
+    return {"sglang_triton_decode": dict(_anchor(gpu, s, parts, ctas), config=cfg, splits=splits, target=t.note)}
+
+
+def triton_ours(sim: Simulator, gpu: Gpu, s: Shape) -> dict:
+    """Our Triton kernel planned as its launcher plans it on `gpu` (fixed tile, split count)."""
+    from spec_kernels.attention.plan import DEVICES, expected_rows, max_rows, mean_prefix, resident_ctas_per_sm, \
+        split_plan
+    from spec_kernels.tree_verify.triton_kernel import default_block_m, planned_resources
+
+    t = triton_target(gpu)
+    limits = DEVICES[gpu.key]
+    decode = s.n == 1
+    T = s.B * s.n
+    block_m = default_block_m(max_rows(T, s.group, decode, s.n), D)
+    work = expected_rows(T, s.B, s.group, decode, s.n)
+    res = planned_resources(block_m, D, D, 2, False)
+    sp = split_plan(limits, res, s.B, s.hkv, work, block_m, mean_prefix(s.B * s.L, s.B, work, s.group))
+    p0, p1 = SIM_PREFIXES
+    (w0, u0, cfg), = sim.triton(t, "ours_triton", s.n, s.group, p0, 1)
+    (w1, u1, _), = sim.triton(t, "ours_triton", s.n, s.group, p1, 1)
+    per_split = (s.L - s.n) / sp.splits
+    ctas = s.B * s.hkv * cfg["grid"][0] * sp.splits
+    parts = [predict(gpu, fit_linear(p0, w0, p1, w1, per_split), ctas, resident_ctas_per_sm(res, limits),
+                     ideal_bytes=s.ideal_bytes(), ideal_flops=s.ideal_flops())]
+    if sp.splits > 1:
+        m0, m1 = (sim.triton(t, "ours_triton", s.n, s.group, 64 * k, k)[-1][0] for k in MERGE_SPLITS)
+        parts.append(predict(gpu, fit_linear(MERGE_SPLITS[0], m0, MERGE_SPLITS[1], m1, sp.splits), s.B * s.n * s.hq,
+                             8, ideal_bytes=0.0))
+    return {"tree_verify_triton": dict(_anchor(gpu, s, parts, ctas), config=cfg, splits=sp.splits, target=t.note)}
 
 
 def plan_launch(gpu: Gpu, s: Shape):
@@ -206,12 +382,20 @@ def model_shape(sim: Simulator, gpu: Gpu, s: Shape, with_anchor: bool = True) ->
     return dict(shape=s.label, gpu=gpu.key, block_m=block_m, splits=sp.splits, resident=resident, ctas=ctas,
                 prediction=total, launches=parts, config=cfg,
                 bandwidth=s.ideal_bytes() / total.seconds, ideal_bytes=s.ideal_bytes(),
-                sglang=sglang_anchor(sim, gpu, s) if with_anchor else None)
+                anchors={**triton_ours(sim, gpu, s), **sglang_anchor(sim, gpu, s)} if with_anchor else {})
 
 
 def run(gpus: list[str], quick: bool, anchor: bool = True) -> list[dict]:
     sim = Simulator()
     return [model_shape(sim, GPUS[g], s, anchor) for g in gpus for s in shapes(quick)]
+
+
+# The kernels beside ours, in the report's order: what each is
+ANCHORS = {
+    "tree_verify_triton": "ours, Triton (its launcher's fixed tile and split count)",
+    "sglang_triton_extend": "SGLang 0.5.23's Triton extend kernel (target verify: n x (L + n) mask)",
+    "sglang_triton_decode": "SGLang 0.5.23's Triton decode kernel (its split count, stage 1 + stage 2)",
+}
 
 
 def print_table(rows: list[dict]) -> None:
@@ -226,17 +410,21 @@ def print_table(rows: list[dict]) -> None:
         units = ", ".join(f"{u} {fmt_seconds(t)}" for u, t in sorted(p.units.items(), key=lambda kv: -kv[1])[:3])
         print(f"{r['gpu']:<13} {r['shape']:<34} {r['block_m']:>8} {r['splits']:>6} {r['ctas']:>6} "
               f"{fmt_seconds(p.seconds):>10} {r['bandwidth'] / 1e9:>7.0f} {p.of_floor:>7.2f}  {p.bottleneck} ({units})")
-    anchors = [r for r in rows if r.get("sglang")]
-    if anchors:
-        print("\nanchor: SGLang 0.5.23's Triton extend kernel (target verify, n x (L + n) mask), same shapes, sm_120")
-        print(f"{'gpu':<13} {'shape':<34} {'CTAs':>6} {'time':>10} {'GB/s':>7} {'floor/t':>7} {'ours x faster':>13}"
+    for kernel, what in ANCHORS.items():
+        have = [r for r in rows if kernel in r.get("anchors", {})]
+        if not have:
+            continue
+        targets = sorted({f"{r['gpu']}: {r['anchors'][kernel]['target']}" for r in have})
+        print(f"\n{kernel}: {what}; same shapes; compiled for {'; '.join(targets)}")
+        print(f"{'gpu':<13} {'shape':<34} {'CTAs':>6} {'time':>10} {'GB/s':>7} {'floor/t':>7} {'CUDA x faster':>13}"
               f"  bottleneck (unit times)")
-        for r in anchors:
-            a: Prediction = r["sglang"]["prediction"]
-            units = ", ".join(f"{u} {fmt_seconds(t)}" for u, t in sorted(a.units.items(), key=lambda kv: -kv[1])[:3])
-            print(f"{r['gpu']:<13} {r['shape']:<34} {r['sglang']['ctas']:>6} {fmt_seconds(a.seconds):>10} "
-                  f"{r['sglang']['bandwidth'] / 1e9:>7.0f} {a.of_floor:>7.2f} "
-                  f"{a.seconds / r['prediction'].seconds:>13.2f}  {a.bottleneck} ({units})")
+        for r in have:
+            a = r["anchors"][kernel]
+            p: Prediction = a["prediction"]
+            units = ", ".join(f"{u} {fmt_seconds(t)}" for u, t in sorted(p.units.items(), key=lambda kv: -kv[1])[:3])
+            print(f"{r['gpu']:<13} {r['shape']:<34} {a['ctas']:>6} {fmt_seconds(p.seconds):>10} "
+                  f"{a['bandwidth'] / 1e9:>7.0f} {p.of_floor:>7.2f} "
+                  f"{p.seconds / r['prediction'].seconds:>13.2f}  {p.bottleneck} ({units})")
     for key in sorted({r["gpu"] for r in rows}):
         assumed = GPUS[key].assumed
         if assumed:
@@ -262,11 +450,12 @@ def to_benchmark_json(rows: list[dict]) -> dict:
             "bottleneck": p.bottleneck, "of_floor": p.of_floor, "units": p.units, "splits": r["splits"],
             "ctas": r["ctas"], "block_m": r["block_m"], "resident": r["resident"], "gbps": r["bandwidth"] / 1e9,
             "bytes": r["ideal_bytes"], "calibration_band": list(CALIBRATION_BAND)}))
-        if r.get("sglang"):
-            a: Prediction = r["sglang"]["prediction"]
-            benches.append(_entry("sglang_triton_extend", r, a.seconds, {
-                "bottleneck": a.bottleneck, "of_floor": a.of_floor, "units": a.units, "ctas": r["sglang"]["ctas"],
-                "gbps": r["sglang"]["bandwidth"] / 1e9, "ours_faster_by": a.seconds / p.seconds}))
+        for kernel, a in r.get("anchors", {}).items():
+            ap: Prediction = a["prediction"]
+            benches.append(_entry(kernel, r, ap.seconds, {
+                "bottleneck": ap.bottleneck, "of_floor": ap.of_floor, "units": ap.units, "ctas": a["ctas"],
+                "gbps": a["bandwidth"] / 1e9, "cuda_faster_by": ap.seconds / p.seconds, "compiled_for": a["target"],
+                "launch": a["config"], **({"splits": a["splits"]} if "splits" in a else {})}))
     return {"machine_info": {"node": "speed-of-light model", "note": "modelled from interpreter counters"},
             "commit_info": _commit(), "benchmarks": benches,
             "datetime": datetime.datetime.now(datetime.timezone.utc).isoformat(), "version": "sol"}
@@ -277,7 +466,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     ap.add_argument("--gpu", default="h200,rtx-pro-6000", help="comma-separated keys of tools/speed_of_light/gpus.py")
     ap.add_argument("--quick", action="store_true", help="two shapes per GPU (about a minute)")
     ap.add_argument("--json", help="write pytest-benchmark-compatible JSON here")
-    ap.add_argument("--no-anchor", action="store_true", help="leave out SGLang's Triton extend kernel")
+    ap.add_argument("--no-anchor", action="store_true", help="leave out the kernels beside ours (our Triton, SGLang's)")
     args = ap.parse_args(argv)
     gpus = [g.strip() for g in args.gpu.split(",") if g.strip()]
     unknown = [g for g in gpus if g not in GPUS or g == "a100"]

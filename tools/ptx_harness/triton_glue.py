@@ -94,6 +94,12 @@ def _serve() -> None:
 
             fn = getattr(importlib.import_module(req["module"]), req["kernel"])
             key = rep._specialisation_key(fn, mock(req["args"]), req["kwargs"], req["arch"])
+            # Triton reads DISABLE_MMA_V3 while it lowers dots: Hopper's wgmma off, mma.sync instead
+            if req.get("mma_v2_only"):
+                os.environ["DISABLE_MMA_V3"] = "1"
+                key += " DISABLE_MMA_V3=1"
+            else:
+                os.environ.pop("DISABLE_MMA_V3", None)
             job = build.TritonJob(req["kernel"], req["kernel"], req.get("config", ""), [], req["arch"], req["module"],
                                   key, args=req["args"], kwargs=req["kwargs"])
             res = build.triton_ptx_for_job(job)
@@ -228,13 +234,16 @@ _ADDRESS_TABLES = {("_commit_kernel", "KV_TABLE")}
 class TritonPtxRunner:
     """Runs every Triton launch made inside `active()` as compiled PTX on one simulated GPU.
     config: None (the launcher's fixed tile, as with SPEC_KERNELS_TRITON_AUTOTUNE=0) or a
-    callable (kernel name, configs after the launcher's prune) -> the triton.Config to run."""
+    callable (kernel name, configs after the launcher's prune) -> the triton.Config to run.
+    mma_v2_only: compile dots as mma.sync even for sm_90 (Triton's DISABLE_MMA_V3), where Triton
+    would emit wgmma, which the interpreter does not execute: a stand-in for Hopper's code."""
 
     def __init__(self, arch: int = 120, sms: int = 8, mma: str = "fast", check_races: bool = True,
-                 config=None, max_smem: int = 99 * 1024):
+                 config=None, max_smem: int = 99 * 1024, mma_v2_only: bool = False):
         from ptxsim.executor import Machine
 
         self.arch, self.sms, self.config = arch, sms, config
+        self.mma_v2_only = mma_v2_only
         self.max_smem = max_smem
         self.machine = Machine(mma=mma, check_races=check_races, max_smem=max_smem,
                                arch="sm_120" if arch >= 120 else "sm_90")
@@ -271,9 +280,10 @@ class TritonPtxRunner:
             else:
                 raise TypeError(f"{fn.fn.__name__}: cannot pass argument {name}={a!r} to a compiled kernel")
         req = dict(module=fn.fn.__module__, kernel=fn.fn.__name__, args=specs, kwargs=kwargs, arch=self.arch,
-                   config=config_label)
+                   config=config_label, mma_v2_only=self.mma_v2_only)
         key_src = json.dumps([_INDEX_FORMAT, req["module"], req["kernel"], klass, sorted(kwargs.items()), self.arch,
-                              triton.__version__, _sources_digest()], default=repr)
+                              triton.__version__, _sources_digest()] + (["mma_v2_only"] if self.mma_v2_only else []),
+                             default=repr)
         key = hashlib.sha256(key_src.encode()).hexdigest()[:32]
         path = os.path.join(self._index_dir, f"{req['kernel']}.{key}.json")
         try:
