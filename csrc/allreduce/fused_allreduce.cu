@@ -107,8 +107,8 @@ __device__ __forceinline__ uint64_t global_timer_ns() {
   return t;
 }
 
-__device__ __forceinline__ void store_release_sys(uint64_t* ptr, uint64_t v) {
-  asm volatile("st.release.sys.global.u64 [%0], %1;" ::"l"(ptr), "l"(v) : "memory");
+__device__ __forceinline__ void store_relaxed_sys(uint64_t* ptr, uint64_t v) {
+  asm volatile("st.relaxed.sys.global.u64 [%0], %1;" ::"l"(ptr), "l"(v) : "memory");
 }
 
 __device__ __forceinline__ uint64_t load_acquire_sys(const uint64_t* ptr) {
@@ -228,16 +228,22 @@ __device__ bool wait_word(const Params& p, const uint64_t* slot, uint32_t seq, i
 }
 
 // Block b of every rank meets block b of every other rank. Everything this block wrote before
-// is visible to the peers' block b afterwards.
+// is visible to the peers' block b afterwards. One thread raises every flag: after
+// __syncthreads its fence is cumulative over the whole block's earlier stores, and fence plus
+// relaxed store is a release pattern, so one system-scope fence per block orders them all (a
+// fence per flag, or st.release per flag, would order the same stores again).
 __device__ bool block_barrier(const Params& p, uint32_t seq, int round) {
   const int b = blockIdx.x;
   __syncthreads();
+  if (threadIdx.x == 0) {
+    const uint64_t word = (static_cast<uint64_t>(seq) << 32) | p.header;
+    __threadfence_system();
+    for (int peer = 0; peer < p.world; ++peer)
+      store_relaxed_sys(&signals_of(p, peer)->flags[seq & 1][round][b][p.rank], word);
+  }
   bool ok = true;
   if (threadIdx.x < p.world) {
     const int peer = threadIdx.x;
-    const uint64_t word = (static_cast<uint64_t>(seq) << 32) | p.header;
-    __threadfence_system();
-    store_release_sys(&signals_of(p, peer)->flags[seq & 1][round][b][p.rank], word);
     ok = wait_word(p, &signals_of(p, p.rank)->flags[seq & 1][round][b][peer], seq, peer,
                    other_family(p, false, peer, seq));
   }
@@ -522,7 +528,8 @@ __global__ void __launch_bounds__(1024, 1) oneshot_push_kernel(const Params p) {
   // Re-arm the rows this block just read with the sentinel. The peers write this slot again three
   // push calls from now, after they have this rank's rows of the next two calls, which it sends
   // only after this point: the system-scope fence makes the sentinel land before those (the peers'
-  // writes come from other GPUs, so a GPU-scope fence would not order them).
+  // writes come from other GPUs, so a GPU-scope fence would not order them). One thread fences,
+  // after __syncthreads: the fence is cumulative over every thread's re-arm stores.
   __syncthreads();
   for (int row = blockIdx.x; row < p.rows; row += gridDim.x)
     for (int q = 0; q < p.world; ++q) {
@@ -530,7 +537,8 @@ __global__ void __launch_bounds__(1024, 1) oneshot_push_kernel(const Params p) {
       for (int v = threadIdx.x; v < nvec; v += blockDim.x)
         dst[v] = make_uint4(kSentinelPair, kSentinelPair, kSentinelPair, kSentinelPair);
     }
-  __threadfence_system();
+  __syncthreads();
+  if (threadIdx.x == 0) __threadfence_system();
   __syncthreads();
   // The one-block variant advances every block's counters: all blocks stay at the same call
   // number and push slot, so a later call with the full grid pairs up like any other.

@@ -148,6 +148,29 @@ def test_consecutive_calls_match_reference(algorithm, world, dtype):
             _check_push_rearmed(sim, n % 3)
 
 
+# System-scope fences a call runs per block (fence warp-instructions): one per flag round of a
+# barrier (pull 1, two-shot 2) or one after the push re-arm, by one thread each.
+FENCES_PER_BLOCK = {"oneshot_push": 1, "oneshot_push_1block": 1, "oneshot_pull": 1, "twoshot": 2}
+
+
+@pytest.mark.parametrize("algorithm", ALGOS)
+def test_one_fence_per_block_and_round(algorithm):
+    """The interpreter counts fences per warp that runs one and st/atom.release separately (a
+    release is a fence too). Blocks of 2 warps (hidden 264): a fence in every thread, or one per
+    flag of a barrier, counts more than one per block and round."""
+    world, hidden, blocks = 4, 264, 2
+    gen = torch.Generator().manual_seed(7)
+    sim = SimRanks(world, hidden, torch.float16, max_tokens=5, num_blocks=blocks)
+    for _ in range(2):
+        inputs = [RankInput(torch.randn(3, hidden, generator=gen).to(torch.float16)) for _ in range(world)]
+        results = sim.call(algorithm, inputs)
+        _check(results, inputs, torch.float16)
+        for rank, res in enumerate(results):
+            st = res.stats.as_dict()
+            assert (st["fences"], st["releases"]) == (_grid(algorithm, blocks) * FENCES_PER_BLOCK[algorithm], 0), \
+                (algorithm, rank, st["fences"], st["releases"])
+
+
 def test_mixed_algorithms_share_counters():
     """The algorithms share the device call counter (flag / staging parity); only push calls move
     the push slot. Empty calls (0 rows) still count. A one-block push call advances the counters of

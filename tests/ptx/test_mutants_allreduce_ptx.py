@@ -49,7 +49,7 @@ pytestmark = pytest.mark.skipif(build.find_nvcc() is None,
 CU = "csrc/allreduce/fused_allreduce.cu"
 F16 = torch.float16
 HIDDEN = 64
-PUSH, PULL = ALGORITHMS["oneshot_push"], ALGORITHMS["oneshot_pull"]
+PUSH, PULL, TWOSHOT = ALGORITHMS["oneshot_push"], ALGORITHMS["oneshot_pull"], ALGORITHMS["twoshot"]
 
 # ---------------------------------------------------------------------------------- the cases
 # Each case takes the PTX to run and raises AssertionError (or a SimError) when the kernel is wrong.
@@ -121,13 +121,31 @@ def case_push_rank_ahead(ptx):
 
 
 def case_twoshot(ptx):
-    """Two-shot, 2 ranks, 1 block, 3 rows (rank 0 reduces row 0, rank 1 rows 1-2): without the
-    second flag round a rank reads a peer's share before the peer has stored it (here rank 1
-    reads rank 0's row 0 as the zeros init_buffer left)."""
+    """Two-shot, 2 ranks, 1 block, 3 rows (rank 0 reduces row 0, rank 1 rows 1-2): uneven shares,
+    both ranks together."""
     gen = torch.Generator().manual_seed(7)
     sim = SimRanks(2, HIDDEN, F16, max_tokens=3, num_blocks=1, ptx=ptx)
     inputs = ar._make(2, 3, HIDDEN, F16, "sum", gen)
     ar._check(sim.call("twoshot", inputs), inputs, F16)
+
+
+def case_twoshot_peer_late(ptx):
+    """Two-shot, 2 ranks, 1 block, 3 rows. Rank 1 has copied its rows into its staging buffer and
+    raised its round-0 flag (written here by hand), then stalls before reducing its share (rows
+    1-2) and raising its round-1 flag. Rank 0 reduces row 0 and must then wait for rank 1's
+    round-1 flag and, as it never comes, report a timeout naming rank 1: without the second flag
+    round it would read rank 1's share before rank 1 stored it (the interpreter runs the warps
+    furthest behind first, so with both ranks running the late share is always there in time)."""
+    gen = torch.Generator().manual_seed(23)
+    rows = 3
+    sim = SimRanks(2, HIDDEN, F16, max_tokens=rows, num_blocks=1, timeout_ns=1, ptx=ptx)
+    x = [torch.randn(rows, HIDDEN, generator=gen).to(F16) for _ in range(2)]
+    sim.m.write(sim.bases[1] + sim.layout.staging[1], x[1].contiguous().view(torch.int16).numpy())  # call 1
+    _write_u64(sim, 0, _flag_offset(1, 0, 0, 1), (1 << 32) | message_header(0, TWOSHOT, 1, rows))
+    res = sim.call("twoshot", [RankInput(x[0]), None])[0]
+    assert (res.error["code"], res.error["peer"]) == (K_TIMEOUT, 1), \
+        f"error word: rank 0 finished without rank 1's share (error word {res.error})"
+    assert ar._poisoned(res.out), "mismatch: the failed call's output is not poisoned"
 
 
 def _flag_offset(seq, round_, block, sender):
@@ -243,6 +261,7 @@ CASES = {
     "push_peer_late": case_push_peer_late,
     "push_torn_vector": functools.partial(case_push_peer_late, calls_before=0, torn=True),
     "twoshot": case_twoshot,
+    "twoshot_peer_late": case_twoshot_peer_late,
     "pull_block_late": case_pull_block_late,
     "pull_rank_ahead": case_pull_rank_ahead,
     "after_failure": case_after_failure,
@@ -277,7 +296,8 @@ MUTANTS = {
         "push_torn_vector", "error word"),
     "no_allgather_wait": (
         "two-shot: no second flag round before reading the peers' gather buffers",
-        "  if (!block_barrier(p, seq, 1)) return poison_outputs<T, OutT>(p);\n", "", "twoshot", "mismatch"),
+        "  if (!block_barrier(p, seq, 1)) return poison_outputs<T, OutT>(p);\n", "", "twoshot_peer_late",
+        "error word"),
     "single_staging": (
         "one-shot pull: one staging buffer for every call (staging[0] instead of [seq & 1])",
         "const size_t staging = p.layout.staging[seq & 1];", "const size_t staging = p.layout.staging[0];",
@@ -302,8 +322,8 @@ MUTANTS = {
         "    if (false && peer_in_other_family(p, other, seq, peer)) return false;",
         "algorithm_push_pull", "error word"),
     "seq_wraps_to_zero": (
-        "the call counter wraps to 0 (stale flag words read as call 0)",
-        "seq == 0xffffffffu ? 2u : seq + 1", "seq + 1", "counter_wrap", "error word"),
+        "the call counter wraps to 0 (never-written flag words read as call 0, the counter left at 0)",
+        "seq == 0xffffffffu ? 2u : seq + 1", "seq + 1", "counter_wrap", "mismatch"),
 }
 
 # Mutants only a weak-memory model catches: (what, old text, new text, why the interpreter cannot).
@@ -311,10 +331,9 @@ _LOADS_IN_ORDER = ("the interpreter performs every load when its instruction run
                    "can never return what memory held before the poll saw the flag")
 EMULATOR_ONLY = {
     "flag_without_fence": (
-        "block_barrier: no __threadfence_system and a relaxed (not st.release) flag store",
-        "    __threadfence_system();\n"
-        "    store_release_sys(&signals_of(p, peer)->flags[seq & 1][round][b][p.rank], word);",
-        "    *reinterpret_cast<volatile uint64_t*>(&signals_of(p, peer)->flags[seq & 1][round][b][p.rank]) = word;",
+        "block_barrier: no __threadfence_system before the relaxed flag stores",
+        "    __threadfence_system();\n    for (int peer = 0; peer < p.world; ++peer)\n",
+        "    for (int peer = 0; peer < p.world; ++peer)\n",
         "the interpreter's memory is sequentially consistent: every store is visible to every GPU in "
         "program order, so the flag can never be seen before the staged rows it publishes; fences are "
         "only counted"),
@@ -338,9 +357,9 @@ EMULATOR_ONLY = {
     "rearm_gpu_fence": (
         "push: the re-arm is fenced at GPU scope only (__threadfence), not at system scope",
         "        dst[v] = make_uint4(kSentinelPair, kSentinelPair, kSentinelPair, kSentinelPair);\n    }\n"
-        "  __threadfence_system();",
+        "  __syncthreads();\n  if (threadIdx.x == 0) __threadfence_system();",
         "        dst[v] = make_uint4(kSentinelPair, kSentinelPair, kSentinelPair, kSentinelPair);\n    }\n"
-        "  __threadfence();",
+        "  __syncthreads();\n  if (threadIdx.x == 0) __threadfence();",
         "the interpreter has one memory and no fence scopes: the sentinel lands before the peers' later "
         "writes whatever the fence's scope"),
 }

@@ -437,13 +437,14 @@ def wait_words(k, offs, seq, peers, what, acquire=True):
 
 
 def block_barrier(k, seq, rnd, acquire=True):
-    """block_barrier(): threads t < world raise this rank's flag in peer t's buffer and wait for
-    peer t's in ours; __syncthreads_and of the results."""
+    """block_barrier(): after __syncthreads thread 0 fences once and raises this rank's flag in
+    every peer's buffer (relaxed stores); threads t < world wait for peer t's flag in ours;
+    __syncthreads_and of the results."""
     p = k.p
     word = (seq << 32) | p.header
+    k.fence()  # __threadfence_system(), thread 0
     for peer in range(p.world):
-        k.fence()  # __threadfence_system()
-        k.store_release_sys(peer, flag_at(seq & 1, rnd, k.b, p.rank), word, 1 << peer, f"flag round {rnd}")
+        k.store_relaxed(peer, flag_at(seq & 1, rnd, k.b, p.rank), word, 1 << peer, f"flag round {rnd}")
     ok = yield from wait_words(k, [flag_at(seq & 1, rnd, k.b, peer) for peer in range(p.world)], seq,
                                list(range(p.world)), f"flag round {rnd}", acquire)
     return all(ok)

@@ -58,9 +58,8 @@ MUTANTS = {
         "twoshot_wait1_relaxed": ("two-shot: the second flag wait (before reading the gather buffers) without ld.acquire",
                                   "    ok = yield from block_barrier(k, seq, 1)\n",
                                   "    ok = yield from block_barrier(k, seq, 1, acquire=False)\n"),
-        "flag_without_fence": ("block_barrier: no __threadfence_system and a relaxed (not st.release) flag store",
-                               "        k.fence()  # __threadfence_system()\n        k.store_release_sys(",
-                               "        k.store_relaxed("),
+        "flag_without_fence": ("block_barrier: no __threadfence_system before the relaxed flag stores",
+                               "    k.fence()  # __threadfence_system(), thread 0\n", ""),
         "no_allgather_wait": ("two-shot: no second flag round before reading the peers' gather buffers",
                               "    ok = yield from block_barrier(k, seq, 1)\n", "    ok = True\n"),
         "single_staging": ("one-shot pull: one staging buffer for every call (staging[0] instead of [seq & 1])",
@@ -85,14 +84,11 @@ UNNEEDED = {
             "polled until no sentinel is left: each 16-byte vector proves itself, nothing needs ordering)",
             '        "push header")\n', '        "push header", False)\n'),
         "barrier_release_without_fence": (
-            "block_barrier: st.release.sys alone, no __threadfence_system before it (the release orders the "
-            "block's earlier stores)",
-            "        k.fence()  # __threadfence_system()\n        k.store_release_sys(",
-            "        k.store_release_sys("),
-        "barrier_fence_without_release": (
-            "block_barrier: __threadfence_system then a relaxed flag store (the fence orders the stores before it)",
-            "        k.fence()  # __threadfence_system()\n        k.store_release_sys(",
-            "        k.fence()  # __threadfence_system()\n        k.store_relaxed("),
+            "block_barrier: st.release.sys per flag, no __threadfence_system before them (each release orders "
+            "the block's earlier stores)",
+            "    k.fence()  # __threadfence_system(), thread 0\n    for peer in range(p.world):\n"
+            "        k.store_relaxed(",
+            "    for peer in range(p.world):\n        k.store_release_sys("),
     },
 }
 

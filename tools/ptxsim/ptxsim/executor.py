@@ -74,7 +74,8 @@ class Stats:
         self.cp_inflight_max = 0     # most cp.async bytes one CTA had in flight at once
         self.per_warp = None         # warp-instructions issued by each warp of the launch
         self.warps_per_cta = 0
-        self.fences = 0
+        self.fences = 0              # warp-instructions of fence / membar (each warp that runs one waits on it)
+        self.releases = 0            # warp-instructions of st / atom / red with release semantics (a fence each)
         self.load_chain = 0          # longest chain of dependent global loads seen by one thread
         self.region_read = {}        # allocation name -> bytes read (all launches of the run)
         self.groups_max = 0
@@ -132,7 +133,7 @@ class Stats:
         sched = self.issue_per_scheduler()
         return {"warp_instructions": dict(self.warp_instr), "thread_instructions": self.thread_instr,
                 "global_bytes_read": self.global_read, "global_bytes_written": self.global_written,
-                "bank_conflicts": dict(self.bank_conflicts), "fences": self.fences,
+                "bank_conflicts": dict(self.bank_conflicts), "fences": self.fences, "releases": self.releases,
                 "longest_dependent_global_load_chain": self.load_chain,
                 "bytes_read_by_buffer": dict(self.region_read),
                 "shared_bytes": dict(self.shared_bytes), "shared_wavefronts": dict(self.shared_wavefronts),
@@ -561,6 +562,10 @@ class Machine:
             st.warp_instr[klass] += nw
             if klass == "mma":
                 st.mma[ins.opcode] += nw
+            elif klass == "barrier" and not ins.opcode.startswith("bar"):
+                st.fences += nw
+            elif ".release" in ins.opcode or ".acq_rel" in ins.opcode:
+                st.releases += nw
             self.clock_ns += 1
             try:
                 dec = prog[pc]
