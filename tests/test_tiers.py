@@ -11,21 +11,32 @@ from pathlib import Path
 import pytest
 
 import quick_tier
+import tier_marks_plugin
 
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def _collect(*args) -> list[str]:
-    env = {**os.environ, "SPEC_KERNELS_TEST_WORKERS": "0"}
-    out = subprocess.run([sys.executable, "-m", "pytest", "--collect-only", "-q", "-p", "no:cacheprovider", *args],
-                         cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+def _collect() -> dict[str, set[str]]:
+    """Every collected test id and its tier markers ("quick", "gpu"), from one collection."""
+    env = {**os.environ, "SPEC_KERNELS_TEST_WORKERS": "0",
+           "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT / "tests"), os.environ.get("PYTHONPATH")]))}
+    out = subprocess.run([sys.executable, "-m", "pytest", "--collect-only", "-q", "-p", "no:cacheprovider",
+                          "-p", "tier_marks_plugin"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
-    return [line for line in out.stdout.splitlines() if line.startswith(("tests/", "tools/"))]
+    marks = {}
+    for line in out.stdout.splitlines():
+        if line.startswith(tier_marks_plugin.PREFIX):
+            nodeid, tiers = line[len(tier_marks_plugin.PREFIX):].split("\t")
+            marks[nodeid] = set(filter(None, tiers.split(",")))
+    listed = [line for line in out.stdout.splitlines() if line.startswith(("tests/", "tools/"))]
+    assert sorted(listed) == sorted(marks), "the plugin's lines and pytest's own listing differ"
+    return marks
 
 
 @pytest.fixture(scope="module")
 def collected():
-    return _collect(), _collect("-m", "quick")
+    marks = _collect()
+    return list(marks), [n for n, m in marks.items() if "quick" in m], [n for n, m in marks.items() if "gpu" in m]
 
 
 def _readme_row(command: str) -> list[str]:
@@ -41,8 +52,7 @@ def mutant_count(nodeids) -> int:
 
 
 def test_readme_counts_are_the_suites(collected):
-    everything, quick = collected
-    gpu = _collect("-m", "gpu")
+    everything, quick, gpu = collected
     assert _readme_row("pytest -m quick")[2] == str(len(quick))
     runs, tests = _readme_row("pytest")[1:3]
     assert tests == f"{len(everything)}, {len(gpu)} of them GPU-only (skipped here)"
@@ -50,13 +60,13 @@ def test_readme_counts_are_the_suites(collected):
 
 
 def test_every_entry_names_a_collected_test(collected):
-    everything, _ = collected
+    everything, _, _ = collected
     for entry in quick_tier.NOT_QUICK + quick_tier.PTX_QUICK:
         assert any(quick_tier.matches(entry, n) for n in everything), f"tests/quick_tier.py: {entry} matches no test"
 
 
 def test_every_family_and_every_cuda_kernel_has_quick_tests(collected):
-    everything, quick = collected
+    everything, quick, _ = collected
     assert 0 < len(quick) < len(everything)
     families = ["test_tree_verify.py", "test_tree_mask.py", "test_mla.py", "test_kv_slots.py",
                 "test_fused_add_rmsnorm.py", "test_comm.py", "test_op_layer.py", "test_bad_input.py",
