@@ -46,9 +46,10 @@ class _NoLaunch:
         return None
 
 
-def _h200_splits(device, num_requests, num_kv_heads, rows, block_m, kernel=None, prefix_keys=None):
+def _h200_splits(device, num_requests, num_kv_heads, rows, block_m, kernel=None, prefix_keys=None, traffic=None):
     kernel = kernel(H200) if callable(kernel) else kernel
-    return attention_plan.split_plan(H200, kernel, num_requests, num_kv_heads, rows, block_m, prefix_keys).splits
+    return attention_plan.split_plan(H200, kernel, num_requests, num_kv_heads, rows, block_m, prefix_keys,
+                                     traffic).splits
 
 
 @pytest.fixture(scope="module")

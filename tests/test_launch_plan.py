@@ -76,53 +76,111 @@ def test_configuration_by_rows():
     assert ap.resident_ctas_per_sm(wide(rtx), rtx) == ap.resident_ctas_per_sm(wide(h200), h200) == 1
 
 # --------------------------------------------------------------------------- the plans
-@pytest.mark.parametrize("impl", ["cuda", "triton"])
-@pytest.mark.parametrize("gpu", GPUS)
-def test_benchmark_shapes_fill_the_waves(gpu, impl):
-    limits = ap.DEVICES[gpu]
-    filled = 0
-    for shape in SHAPES:
-        _, p = bp.plan_shape(shape, limits, impl)
-        assert 1 <= p.splits <= p.max_splits <= ap.MAX_KV_SPLITS, shape
-        best_allowed = max(ap._efficiency(p.ctas, s, p.slots)[1] for s in range(1, p.max_splits + 1))
-        # the fewest splits within the tolerance of the best the bounds allow
-        assert p.efficiency >= best_allowed * (1 - ap.EFFICIENCY_TOLERANCE) - 1e-12, shape
-        assert all(ap._efficiency(p.ctas, s, p.slots)[1] < best_allowed * (1 - ap.EFFICIENCY_TOLERANCE)
-                   for s in range(1, p.splits)), shape
-        if p.limit == "waves":
-            assert p.efficiency >= 0.9, (shape, p)
-            filled += 1
-        else:  # bounded by MIN_SPLIT_KEYS / MAX_KV_SPLITS: more splits would have filled it better
-            assert p.limit in ("keys", "cap") and p.efficiency < 0.9, (shape, p)
-            prefix = shape.L
-            assert p.max_splits == max(1, min(ap.MAX_KV_SPLITS, prefix // ap.MIN_SPLIT_KEYS)), shape
-    # B >= 70 fills the GPU to >= 0.9 (MLA plain decode excepted: one 16-row CTA per request and
-    # 3 per SM on sm_90 would need more than the 8 splits that 2048 keys allow); smaller batches
-    # may have too few keys per request for enough splits of MIN_SPLIT_KEYS (checked above).
-    big = [s for s in SHAPES if s.B >= 70 and not (s.mla and s.n == 1)]
-    low = [s for s in big if bp.plan_shape(s, limits, impl)[1].efficiency < 0.9]
-    assert not low and filled >= len(big), low
+def _check_cheapest(p, cost, prefix, where):
+    """The plan is the fewest splits within COST_TOLERANCE of the cheapest the bounds allow, and
+    its bound names the binding term."""
+    assert 1 <= p.splits <= p.max_splits <= ap.MAX_KV_SPLITS, where
+    secs = [cost.seconds(p.ctas, p.per_sm, k, prefix) for k in range(1, p.max_splits + 1)]
+    limit = min(secs) / (1 - ap.COST_TOLERANCE)
+    assert secs[p.splits - 1] <= limit + 1e-15 and all(t > limit for t in secs[:p.splits - 1]), (where, p)
+    assert p.seconds == pytest.approx(secs[p.splits - 1])
+    terms = cost.terms(p.ctas, p.per_sm, p.splits, prefix)
+    binding = max(("DRAM", "latency", "compute"), key=terms.get)
+    if p.limit == "bandwidth":
+        assert binding == "DRAM", (where, p, terms)
+    elif p.limit in ("keys", "cap"):
+        assert p.splits == p.max_splits and binding != "DRAM", (where, p, terms)
+    else:
+        assert p.limit == binding and p.splits < p.max_splits, (where, p, terms)
+
+
+def _plan_pieces(shape, limits, impl):
+    """(plan, cost, prefix) of a benchmark shape as its launcher plans it."""
+    block_m, p = bp.plan_shape(shape, limits, impl)
+    group = shape.heads // shape.kv_heads
+    rows = ap.expected_rows(shape.B * shape.n, shape.B, group, shape.n == 1, shape.n)
+    prefix = ap.mean_prefix(shape.B * (shape.L + shape.n), shape.B, rows, group)
+    kernel, traffic = bp.launch_resources(shape, limits, impl, block_m)
+    return p, ap.split_cost(limits, kernel, traffic, rows, block_m), prefix
 
 
 @pytest.mark.parametrize("impl", ["cuda", "triton"])
 @pytest.mark.parametrize("gpu", GPUS)
-def test_kernel_benchmark_grid_plans(gpu, impl):
+def test_benchmark_shapes_take_the_cheapest_split(gpu, impl):
     limits = ap.DEVICES[gpu]
-    for shape in bp.benchmark_shapes("tree-verify"):
-        _, p = bp.plan_shape(shape, limits, impl)
-        assert 1 <= p.splits <= p.max_splits == max(1, min(ap.MAX_KV_SPLITS, shape.L // ap.MIN_SPLIT_KEYS))
-        assert p.efficiency >= 0.9 or p.limit in ("keys", "cap"), (shape, p)
-        if shape.L >= 16384:  # 64 splits allowed: fills the waves unless 64 splits cannot fill one
-            assert p.efficiency >= 0.9 or (p.limit == "cap" and p.ctas * ap.MAX_KV_SPLITS < p.slots), (shape, p)
+    for shape in SHAPES + bp.benchmark_shapes("tree-verify"):
+        p, cost, prefix = _plan_pieces(shape, limits, impl)
+        _check_cheapest(p, cost, prefix, shape)
+        # B >= 70 keeps the GPU busy: the stream is bound by DRAM or by the SMs' own work, and
+        # never waits on latency (too few CTAs) where more splits would have paid
+        if shape.B >= 70:
+            assert p.limit in ("bandwidth", "compute"), (shape, p)
+
+
+def test_the_partials_are_weighed_against_the_waves():
+    """A 128-row CTA (n = 16 at GQA 8) writes 64 KB of fp32 partials per split, half of what a
+    256-key split reads: at B = 32 on the RTX PRO 6000 the wave rule split each request 10 ways
+    (2560 CTAs, 0.97 of the waves full); with the bytes, 256 CTAs already stream at full DRAM
+    bandwidth and no split pays for its partials and merge."""
+    rtx = ap.DEVICES["rtx-pro-6000"]
+    shape = bp.Shape("gqa-32/4", 32, 32, 4, 128, 4096, 16)
+    p, cost, prefix = _plan_pieces(shape, rtx, "cuda")
+    waves = ap.plan(p.ctas, p.slots, p.per_sm, prefix)  # without the bytes: wave efficiency alone
+    assert (waves.splits, waves.limit) == (10, "waves") and waves.efficiency > 0.9
+    assert (p.splits, p.limit) == (1, "bandwidth")
+    assert cost.seconds(p.ctas, p.per_sm, 10, prefix) > 1.3 * p.seconds  # partials + merge: +30% and more
+    # at B = 1 the GPU waits on latency and the SMs' work: splits pay for their partials there
+    one = bp.Shape("gqa-32/4", 1, 32, 4, 128, 32768, 16)
+    p1, _, _ = _plan_pieces(one, rtx, "cuda")
+    assert p1.splits >= 8 and p1.partial_fraction < 0.25, p1
+
+
+def test_cost_terms_by_hand():
+    """One SplitCost evaluated by hand: 8 CTAs of 64 rows per split, 2 resident per SM, 4096 keys."""
+    c = ap.SplitCost(sms=4, dram_bytes_per_s=1e12, dram_latency_s=1e-6, launch_overhead_s=2e-6,
+                     tensor_flops_per_s_per_sm=1e12, clock_hz=1e9, kv_bytes_per_key=512, flops_per_key=64 * 512,
+                     issue_per_key=20.0, issue_per_cta=2000.0, in_flight_bytes=100_000,
+                     partial_bytes_per_cta=64 * 516, out_bytes_per_cta=64 * 256)
+    t1 = c.terms(8, 2, 1, 4096)  # 8 CTAs on 4 SMs: k = 2, both resident together
+    assert t1["DRAM"] == pytest.approx(8 * 4096 * 512 / 1e12)
+    assert t1["latency"] == pytest.approx(2 * 4096 * 512 / (2 * 100_000 / 1e-6))
+    assert t1["compute"] == pytest.approx(2 * max(4096 * 64 * 512 / 1e12, (2000 + 4096 * 20) / 1e9))
+    assert t1["merge"] == 0.0
+    t2 = c.terms(8, 2, 2, 4096)  # 16 CTAs: k = 4, 2048 keys each, partials written and merged
+    cta = 2048 * 512 + 64 * 516
+    assert t2["DRAM"] == pytest.approx(16 * cta / 1e12)
+    assert t2["latency"] == pytest.approx(4 * cta / (2 * 100_000 / 1e-6))
+    assert t2["merge"] == pytest.approx((16 * 64 * 516 + 8 * 64 * 256) / 1e12 + 2e-6)
+    assert c.seconds(8, 2, 2, 4096) == pytest.approx(max(t2["DRAM"], t2["latency"], t2["compute"]) + t2["merge"])
+
+
+def test_random_costs_take_the_cheapest_split():
+    gen = torch.Generator().manual_seed(3)
+    for _ in range(300):
+        r = lambda lo, hi: int(torch.randint(lo, hi, (), generator=gen))  # noqa: E731
+        cost = ap.SplitCost(sms=r(1, 200), dram_bytes_per_s=r(1, 50) * 1e11, dram_latency_s=r(1, 20) * 1e-7,
+                            launch_overhead_s=r(0, 50) * 1e-7, tensor_flops_per_s_per_sm=r(1, 50) * 1e11,
+                            clock_hz=r(1, 30) * 1e8, kv_bytes_per_key=r(1, 2000), flops_per_key=r(0, 100_000),
+                            issue_per_key=float(r(0, 60)), issue_per_cta=float(r(0, 6000)),
+                            in_flight_bytes=r(0, 200_000), partial_bytes_per_cta=r(0, 300_000),
+                            out_bytes_per_cta=r(0, 100_000))
+        ctas, per_sm, prefix = r(1, 3000), r(1, 9), r(1, 200_000)
+        p = ap.plan(ctas, per_sm * cost.sms, per_sm, prefix, cost)
+        assert p.max_splits == max(1, min(ap.MAX_KV_SPLITS, prefix // ap.MIN_SPLIT_KEYS))
+        _check_cheapest(p, cost, prefix, (cost, ctas, per_sm, prefix))
 
 
 @pytest.mark.parametrize("gpu", GPUS)
 def test_decode_b16_gqa_32_4(gpu):
-    # B=16 decode, Hq/Hkv = 32/4: 64 CTAs per split; 2x-SM sizing gave 5 splits on H200 (320 CTAs on
-    # 264 slots: 0.61) and 6 on the RTX PRO 6000 (384 on 188: 0.68).
+    # B=16 decode, Hq/Hkv = 32/4: 64 CTAs per split with 2048 prefix keys each. 2x-SM sizing gave
+    # 5 splits on H200 and 6 on the RTX PRO 6000, the wave rule fills the waves to 0.9; by bytes,
+    # one or two splits of 64 CTAs, their stages in flight, already stream at DRAM bandwidth
     shape = bp.Shape("gqa-32/4", 16, 32, 4, 128, 4096, 1)
-    _, p = bp.plan_shape(shape, ap.DEVICES[gpu], "cuda")
-    assert p.ctas == 64 and p.efficiency >= 0.9 and p.splits * ap.MIN_SPLIT_KEYS <= 4096
+    p, cost, prefix = _plan_pieces(shape, ap.DEVICES[gpu], "cuda")
+    assert p.ctas == 64 and p.splits * ap.MIN_SPLIT_KEYS <= 4096
+    _check_cheapest(p, cost, prefix, shape)
+    assert p.limit == "bandwidth" and p.splits <= 2, p
+    assert ap.plan(p.ctas, p.slots, p.per_sm, prefix).efficiency >= 0.9  # the wave rule's plan
 
 
 def test_split_bounds_min_chunk_and_cap():
@@ -187,7 +245,8 @@ def test_automatic_split_path_matches_reference(monkeypatch, planned):
     standing the planner's answer in: prefixes below, at and above the minimum chunk."""
     calls = []
 
-    def fake_plan(device, B, Hkv, rows, block_m, kernel, prefix):
+    def fake_plan(device, B, Hkv, rows, block_m, kernel, prefix, traffic=None):
+        assert traffic is not None  # the launcher plans by bytes
         calls.append((B, Hkv, rows, block_m, prefix))
         return planned
 
@@ -212,4 +271,4 @@ def test_cli_prints_the_plan_table():
     rows = [ln.split() for ln in lines[2:]]
     assert len(rows) == 40 and all(r[0] == "llama-3.3-70b-tp8" for r in rows)
     b250_n4 = next(r for r in rows if r[1] == "250" and r[2] == "4")
-    assert b250_n4[9] == "188" and float(b250_n4[12]) >= 0.9  # slots, efficiency
+    assert b250_n4[9] == "188" and b250_n4[-1] == "bandwidth"  # slots; 250 CTAs stream at DRAM bandwidth

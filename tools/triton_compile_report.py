@@ -147,7 +147,7 @@ def _record(launcher_module, kernel_names, lazy_name, autotune: bool, sms: int, 
         patches[lazy_name] = (lambda: (tuned, False)) if autotune else (lambda: (lazy.kernel, True))
     if hasattr(launcher_module, "plan_splits"):
         real_splits = launcher_module.plan_splits
-        patches["plan_splits"] = lambda device, *a: real_splits(_CUDA, *a)
+        patches["plan_splits"] = lambda device, *a, **kw: real_splits(_CUDA, *a, **kw)
     with _patched(plan, sm_count=lambda index: sms), _patched(launcher_module, **patches), \
             _patched(triton_common, **{k: v for k, v in merge.items() if k in kernel_names}):
         call()

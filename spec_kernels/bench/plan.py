@@ -16,6 +16,7 @@ from ..attention.plan import (
     DeviceLimits,
     KernelResources,
     SplitPlan,
+    SplitTraffic,
     expected_rows,
     max_rows,
     mean_prefix,
@@ -58,53 +59,58 @@ def benchmark_shapes(grid: str = "decode-step") -> list[Shape]:
             for B in (1, 2, 5, 10, 30, 70, 100, 250)]
 
 
-def _triton_tile(shape: Shape, limits: DeviceLimits) -> tuple[int, KernelResources]:
-    """BLOCK_M and resources of the Triton launch (bf16), as its launcher plans them."""
-    rows = max_rows(shape.B * shape.n, shape.heads // shape.kv_heads, shape.n == 1, shape.n)
+def _block_m(shape: Shape, limits: DeviceLimits, impl: str) -> int:
+    """Rows per CTA of the launch (bf16), as its launcher picks them."""
+    grid_rows = max_rows(shape.B * shape.n, shape.heads // shape.kv_heads, shape.n == 1, shape.n)
+    if impl == "cuda":
+        return (mla_cuda.block_m(grid_rows) if shape.mla
+                else tv_cuda.cuda_tree_verify_block_m(shape.head_dim, grid_rows, limits))
+    return (mla_triton.default_block_m(grid_rows) if shape.mla
+            else tv_triton.default_block_m(grid_rows, shape.head_dim))
+
+
+def launch_resources(shape: Shape, limits: DeviceLimits, impl: str, block_m: int) -> tuple[KernelResources, SplitTraffic]:
+    """One CTA's resources and the split traffic of the launch (bf16), as its launcher plans them."""
+    if impl == "cuda":
+        if shape.mla:
+            return mla_cuda.cuda_mla_resources(block_m), mla_cuda.split_traffic()
+        return tv_cuda.cuda_tree_verify_resources(shape.head_dim, block_m), tv_cuda.split_traffic(shape.head_dim)
     if shape.mla:
-        block_m = mla_triton.default_block_m(rows)
-        return block_m, mla_triton.triton_mla_resources(block_m, shape.head_dim, 2)
-    block_m = tv_triton.default_block_m(rows, shape.head_dim)
-    return block_m, tv_triton.planned_resources(block_m, shape.head_dim, shape.head_dim, 2, False)
+        return (mla_triton.triton_mla_resources(block_m, shape.head_dim, 2),
+                mla_triton.split_traffic(shape.head_dim, mla_cuda.V_HEAD_DIM, 2))
+    return (tv_triton.planned_resources(block_m, shape.head_dim, shape.head_dim, 2, False),
+            tv_triton.split_traffic(shape.head_dim, shape.head_dim, 2))
 
 
 def plan_shape(shape: Shape, limits: DeviceLimits, impl: str = "cuda") -> tuple[int, SplitPlan]:
     """(BLOCK_M, plan) of one benchmark shape, as the launcher would plan it on `limits`."""
     group = shape.heads // shape.kv_heads
-    decode = shape.n == 1
-    T = shape.B * shape.n
-    grid_rows = max_rows(T, group, decode, shape.n)
-    rows = expected_rows(T, shape.B, group, decode, shape.n)
-    if impl == "cuda":
-        if shape.mla:
-            block_m = mla_cuda.block_m(grid_rows)
-            kernel = mla_cuda.cuda_mla_resources(block_m)
-        else:
-            block_m = tv_cuda.cuda_tree_verify_block_m(shape.head_dim, grid_rows, limits)
-            kernel = tv_cuda.cuda_tree_verify_resources(shape.head_dim, block_m)
-    else:
-        block_m, kernel = _triton_tile(shape, limits)
+    rows = expected_rows(shape.B * shape.n, shape.B, group, shape.n == 1, shape.n)
+    block_m = _block_m(shape, limits, impl)
+    kernel, traffic = launch_resources(shape, limits, impl, block_m)
     prefix = mean_prefix(shape.B * (shape.L + shape.n), shape.B, rows, group)  # kv_indices: L + n slots each
-    return block_m, split_plan(limits, kernel, shape.B, shape.kv_heads, rows, block_m, prefix)
+    return block_m, split_plan(limits, kernel, shape.B, shape.kv_heads, rows, block_m, prefix, traffic)
 
 
 def format_table(shapes: Sequence[Shape], limits: DeviceLimits, impl: str) -> str:
     lines = [f"{limits.name}: {limits.sms} SMs; {impl} kernels; MIN_SPLIT_KEYS={MIN_SPLIT_KEYS}, "
              f"MAX_KV_SPLITS={MAX_KV_SPLITS}",
              f"{'model':<18} {'B':>4} {'n':>3} {'heads':>6} {'D':>4} {'L':>6} {'BM':>4} {'CTAs':>5} "
-             f"{'/SM':>4} {'slots':>5} {'splits':>6} {'waves':>5} {'eff':>5}  bound"]
+             f"{'/SM':>4} {'slots':>5} {'splits':>6} {'waves':>5} {'eff':>5} {'model':>9} {'partial':>7}  bound"]
     for s in shapes:
         block_m, p = plan_shape(s, limits, impl)
         lines.append(f"{s.model:<18} {s.B:>4} {s.n:>3} {f'{s.heads}/{s.kv_heads}':>6} {s.head_dim:>4} {s.L:>6} "
                      f"{block_m:>4} {p.ctas:>5} {p.per_sm:>4} {p.slots:>5} {p.splits:>6} {p.waves:>5} "
-                     f"{p.efficiency:>5.2f}  {p.limit}")
+                     f"{p.efficiency:>5.2f} {p.seconds * 1e6:>7.1f}us {p.partial_fraction:>7.2f}  {p.limit}")
     return "\n".join(lines)
 
 
 def add_parser(commands) -> None:
     ap = commands.add_parser("plan", help="the KV-split plan of the benchmark shapes on a named GPU",
                              description="KV-split plan of the benchmark shapes on a named GPU: rows per CTA, "
-                                         "CTAs, resident CTAs per SM, splits, waves and wave efficiency.")
+                                         "CTAs, resident CTAs per SM, splits, waves, wave efficiency, the planner's "
+                                         "modelled cost (not a measurement), partial bytes over K/V bytes, and what "
+                                         "bounded the split count.")
     ap.add_argument("--gpu", choices=sorted(DEVICES), default="h200")
     ap.add_argument("--impl", choices=("cuda", "triton"), default="cuda")
     ap.add_argument("--grid", choices=("decode-step", "tree-verify"), default="decode-step",

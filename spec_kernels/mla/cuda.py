@@ -9,7 +9,7 @@ import torch
 
 from .._ops import cuda_ops, kernel_config, mla_launch_config
 from ..attention.checks import KV_FP8_DTYPES, NO_SCALES, KvScales, cuda_cache_dtype_refusal, cuda_row_chunk_refusal
-from ..attention.plan import KernelResources, SplitWorkspace, expected_rows, max_rows, mean_prefix
+from ..attention.plan import KernelResources, SplitTraffic, SplitWorkspace, expected_rows, max_rows, mean_prefix
 from ..attention.plan import num_kv_splits as plan_splits
 
 HEAD_DIM, V_HEAD_DIM = 576, 512  # kMlaHeadDim / kMlaVHeadDim in csrc/include/spec_kernels/mla.h
@@ -43,7 +43,13 @@ def auto_splits(device: torch.device, num_tokens: int, num_requests: int, num_he
     rows = max_rows(num_tokens, num_heads, decode, max_draft_tokens)
     work = expected_rows(num_tokens, num_requests, num_heads, decode, max_draft_tokens)
     return plan_splits(device, num_requests, 1, work, block_m(rows), cuda_mla_resources(block_m(rows), kv_fp8),
-                       mean_prefix(num_indices, num_requests, work, num_heads))
+                       mean_prefix(num_indices, num_requests, work, num_heads), traffic=split_traffic(kv_fp8))
+
+
+def split_traffic(kv_fp8: bool = False) -> SplitTraffic:
+    """The bytes a split moves: one latent row of HEAD_DIM per key (K and V share it), 16-bit
+    or fp8; 16-bit outputs of V_HEAD_DIM."""
+    return SplitTraffic(HEAD_DIM * (1 if kv_fp8 else 2), HEAD_DIM, V_HEAD_DIM)
 
 
 def mla_tree_verify_attention(q, kv_cache, kv_indptr, kv_indices, qo_indptr, tree_mask, sm_scale, v_head_dim,

@@ -59,7 +59,8 @@ class MlaPlan:
             "cuda": lambda: cuda_binding.auto_splits(dev, T, B, num_heads, kv_indices.numel(), layout.decode,
                                                      layout.max_draft_tokens, kv_dtype in KV_FP8_DTYPES),
             "triton": lambda: triton_kernel.auto_splits(dev, T, B, num_heads, head_dim, kv_dtype, kv_indices.numel(),
-                                                        layout.decode, layout.max_draft_tokens),
+                                                        layout.decode, layout.max_draft_tokens,
+                                                        v_head_dim=v_head_dim),
         }
         # The reference has no splits; an empty batch launches nothing.
         auto = planners[self.impl] if self.impl in planners and T and B else (lambda: 1)

@@ -28,7 +28,7 @@ import triton.language as tl
 
 from .._ops import triton_interpreting
 from .._autotune import LazyAutotune
-from ..attention.plan import KernelResources, SplitWorkspace, expected_rows, mean_prefix, triton_resources
+from ..attention.plan import KernelResources, SplitTraffic, SplitWorkspace, expected_rows, mean_prefix, triton_resources
 from ..attention.plan import max_rows as plan_max_rows
 from ..attention.plan import num_kv_splits as plan_splits
 from ..attention.checks import KV_FP8_DTYPES, NO_SCALES, KvScales
@@ -243,14 +243,22 @@ def triton_mla_resources(block_m: int, head_dim: int, elt: int) -> KernelResourc
 
 def auto_splits(device: torch.device, num_tokens: int, num_requests: int, num_heads: int, head_dim: int,
                 kv_dtype: torch.dtype, num_indices: int, decode: bool, max_draft_tokens: int = 0,
-                block_m: Optional[int] = None) -> int:
+                block_m: Optional[int] = None, v_head_dim: Optional[int] = None) -> int:
     """KV splits the Triton launch plans for this batch layout (never from tensor values): for the
-    rows that hold work in an even batch (the grid keeps max_rows)."""
+    rows that hold work in an even batch (the grid keeps max_rows); v_head_dim (default head_dim)
+    sizes the partial outputs."""
     block_m = block_m or default_block_m(plan_max_rows(num_tokens, num_heads, decode, max_draft_tokens))
     rows = expected_rows(num_tokens, num_requests, num_heads, decode, max_draft_tokens)
     elem = torch.empty((), dtype=kv_dtype).element_size()
     return plan_splits(device, num_requests, 1, rows, block_m, triton_mla_resources(block_m, head_dim, elem),
-                       mean_prefix(num_indices, num_requests, rows, num_heads))
+                       mean_prefix(num_indices, num_requests, rows, num_heads),
+                       traffic=split_traffic(head_dim, v_head_dim or head_dim, elem))
+
+
+def split_traffic(head_dim: int, v_head_dim: int, kv_elt: int) -> SplitTraffic:
+    """The bytes a split moves: one latent row of head_dim per key (K and V share it) of the
+    cache's element size; outputs of v_head_dim as q (16-bit for an fp8 cache)."""
+    return SplitTraffic(head_dim * kv_elt, head_dim, v_head_dim, max(kv_elt, 2))
 
 
 def mla_tree_verify_attention(
@@ -285,7 +293,7 @@ def mla_tree_verify_attention(
     if workspace is None:
         workspace = SplitWorkspace.plan(
             num_kv_splits, lambda: auto_splits(q.device, T, B, H, D, kv_cache.dtype, kv_indices.numel(), is_decode,
-                                               max_draft_tokens, block_m), T, H, v_head_dim, q.device)
+                                               max_draft_tokens, block_m, v_head_dim), T, H, v_head_dim, q.device)
     splits, min_chunk = workspace.splits, workspace.min_chunk
     kernel, fixed = _kernel_for_launch()
     # Placeholders for absent optional pointers (never dereferenced: constexpr branches).

@@ -9,7 +9,8 @@ import torch
 
 from .._ops import cuda_ops, kernel_config, kernel_configs, tree_verify_launch_config
 from ..attention.checks import KV_FP8_DTYPES, NO_SCALES, KvScales, cuda_cache_dtype_refusal, cuda_row_chunk_refusal
-from ..attention.plan import DeviceLimits, KernelResources, SplitWorkspace, expected_rows, max_rows, mean_prefix
+from ..attention.plan import (DeviceLimits, KernelResources, SplitTraffic, SplitWorkspace, expected_rows, max_rows,
+                               mean_prefix)
 from ..attention.plan import num_kv_splits as plan_splits
 
 KERNEL = "tree_verify_kernel"
@@ -43,6 +44,12 @@ def cuda_tree_verify_kernel(head_dim: int, rows: int, kv_fp8: bool = False) -> C
                                                      kv_fp8)
 
 
+def split_traffic(head_dim: int, kv_fp8: bool = False) -> SplitTraffic:
+    """The bytes a split moves: K and V rows of head_dim (16-bit, or 8-bit in an fp8 cache) per
+    key; 16-bit outputs of head_dim (the kernel takes Dv = D)."""
+    return SplitTraffic(2 * head_dim * (1 if kv_fp8 else 2), head_dim, head_dim)
+
+
 def supports(q, k_cache, v_cache, *_) -> Optional[str]:
     """None when the CUDA kernel handles these inputs, else why not (then Triton runs)."""
     if q.dtype not in (torch.float16, torch.bfloat16):
@@ -67,7 +74,7 @@ def auto_splits(device: torch.device, num_tokens: int, num_requests: int, num_q_
     work = expected_rows(num_tokens, num_requests, group, decode, max_draft_tokens)
     block_m = cuda_tree_verify_block_m(head_dim, rows, kv_fp8=kv_fp8)  # rows per CTA: 32 (decode) counts as 64
     return plan_splits(device, num_requests, num_kv_heads, work, block_m, cuda_tree_verify_kernel(head_dim, rows, kv_fp8),
-                       mean_prefix(num_indices, num_requests, work, group))
+                       mean_prefix(num_indices, num_requests, work, group), traffic=split_traffic(head_dim, kv_fp8))
 
 
 def tree_verify_attention(q, k_cache, v_cache, kv_indptr, kv_indices, qo_indptr, tree_mask, sm_scale,

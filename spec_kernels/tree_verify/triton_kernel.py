@@ -25,7 +25,7 @@ from triton.runtime.errors import OutOfResources
 
 from .._ops import triton_interpreting
 from .._autotune import LazyAutotune
-from ..attention.plan import KernelResources, SplitWorkspace, expected_rows, mean_prefix, triton_resources
+from ..attention.plan import KernelResources, SplitTraffic, SplitWorkspace, expected_rows, mean_prefix, triton_resources
 from ..attention.plan import max_rows as plan_max_rows
 from ..attention.plan import num_kv_splits as plan_splits
 from ..attention.checks import KV_FP8_DTYPES, NO_SCALES, KvScales
@@ -286,10 +286,17 @@ def auto_splits(device: torch.device, num_tokens: int, num_requests: int, num_q_
     block_m = block_m or default_block_m(plan_max_rows(num_tokens, group, decode, max_draft_tokens), max(head_dim, v_head_dim))
     rows = expected_rows(num_tokens, num_requests, group, decode, max_draft_tokens)
     ieee = kv_dtype == torch.float32
+    elt = torch.empty((), dtype=kv_dtype).element_size()
     return plan_splits(device, num_requests, num_kv_heads, rows, block_m,
-                       planned_resources(block_m, head_dim, v_head_dim, torch.empty((), dtype=kv_dtype).element_size(),
-                                         ieee),
-                       mean_prefix(num_indices, num_requests, rows, group))
+                       planned_resources(block_m, head_dim, v_head_dim, elt, ieee),
+                       mean_prefix(num_indices, num_requests, rows, group),
+                       traffic=split_traffic(head_dim, v_head_dim, elt))
+
+
+def split_traffic(head_dim: int, v_head_dim: int, kv_elt: int) -> SplitTraffic:
+    """The bytes a split moves: a K row of head_dim and a V row of v_head_dim per key, of the
+    cache's element size; outputs as q (16-bit for an fp8 cache, else the cache's size)."""
+    return SplitTraffic((head_dim + v_head_dim) * kv_elt, head_dim, v_head_dim, max(kv_elt, 2))
 
 
 def tree_verify_attention(

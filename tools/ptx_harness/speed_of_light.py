@@ -321,7 +321,7 @@ def triton_ours(sim: Simulator, gpu: Gpu, s: Shape) -> dict:
     """Our Triton kernel planned as its launcher plans it on `gpu` (fixed tile, split count)."""
     from spec_kernels.attention.plan import DEVICES, expected_rows, max_rows, mean_prefix, resident_ctas_per_sm, \
         split_plan
-    from spec_kernels.tree_verify.triton_kernel import default_block_m, planned_resources
+    from spec_kernels.tree_verify.triton_kernel import default_block_m, planned_resources, split_traffic
 
     t = triton_target(gpu)
     limits = DEVICES[gpu.key]
@@ -330,7 +330,8 @@ def triton_ours(sim: Simulator, gpu: Gpu, s: Shape) -> dict:
     block_m = default_block_m(max_rows(T, s.group, decode, s.n), D)
     work = expected_rows(T, s.B, s.group, decode, s.n)
     res = planned_resources(block_m, D, D, 2, False)
-    sp = split_plan(limits, res, s.B, s.hkv, work, block_m, mean_prefix(s.B * s.L, s.B, work, s.group))
+    sp = split_plan(limits, res, s.B, s.hkv, work, block_m, mean_prefix(s.B * s.L, s.B, work, s.group),
+                    split_traffic(D, D, 2))
     p0, p1 = SIM_PREFIXES
     (w0, u0, cfg), = sim.triton(t, "ours_triton", s.n, s.group, p0, 1)
     (w1, u1, _), = sim.triton(t, "ours_triton", s.n, s.group, p1, 1)
@@ -345,10 +346,11 @@ def triton_ours(sim: Simulator, gpu: Gpu, s: Shape) -> dict:
     return {"tree_verify_triton": dict(_anchor(gpu, s, parts, ctas), config=cfg, splits=sp.splits, target=t.note)}
 
 
-def plan_launch(gpu: Gpu, s: Shape):
-    """(block_m, resources, SplitPlan) of the CUDA launch on `gpu`, as the binding plans it."""
+def plan_launch(gpu: Gpu, s: Shape, by_bytes: bool = True):
+    """(block_m, resources, SplitPlan) of the CUDA launch on `gpu`, as the binding plans it;
+    by_bytes=False: as the planner without the bytes (wave efficiency alone) would."""
     from spec_kernels.attention.plan import DEVICES, expected_rows, max_rows, mean_prefix, split_plan
-    from spec_kernels.tree_verify.cuda import cuda_tree_verify_block_m, cuda_tree_verify_resources
+    from spec_kernels.tree_verify.cuda import cuda_tree_verify_block_m, cuda_tree_verify_resources, split_traffic
 
     limits = DEVICES[gpu.key]
     decode = s.n == 1
@@ -357,29 +359,50 @@ def plan_launch(gpu: Gpu, s: Shape):
     work = expected_rows(T, s.B, s.group, decode, s.n)
     block_m = cuda_tree_verify_block_m(D, rows, limits)
     res = cuda_tree_verify_resources(D, block_m)
-    sp = split_plan(limits, res, s.B, s.hkv, work, block_m, mean_prefix(s.B * s.L, s.B, work, s.group))
+    sp = split_plan(limits, res, s.B, s.hkv, work, block_m, mean_prefix(s.B * s.L, s.B, work, s.group),
+                    split_traffic(D) if by_bytes else None)
     return block_m, res, sp
+
+
+def predict_ours(sim: Simulator, gpu: Gpu, s: Shape, block_m: int, res, splits: int) -> tuple[Prediction, list, dict, int]:
+    """The CUDA launch of shape `s` at `splits` KV splits (the planned configuration): (the whole
+    op's prediction, its launches, the simulated CTA's launch shape, CTAs). Any split count, so
+    the report can judge the planner's choice against the others."""
+    from spec_kernels.attention.plan import DEVICES, resident_ctas_per_sm
+
+    p0, p1 = SIM_PREFIXES
+    (w0, cfg), (w1, _) = sim.tree_verify(gpu.arch, s.n, s.group, p0), sim.tree_verify(gpu.arch, s.n, s.group, p1)
+    w = fit_linear(p0, w0, p1, w1, (s.L - s.n) / splits)
+    ctas = s.B * s.hkv * cfg["grid"][0] * splits  # grid[0]: row blocks of one (request, KV head)
+    resident = resident_ctas_per_sm(res, DEVICES[gpu.key])
+    parts = [predict(gpu, w, ctas, resident, ideal_bytes=s.ideal_bytes(), ideal_flops=s.ideal_flops())]
+    if splits > 1:
+        m0, m1 = (sim.merge(gpu.arch, s.n, s.group, k) for k in MERGE_SPLITS)
+        mw = fit_linear(MERGE_SPLITS[0], m0, MERGE_SPLITS[1], m1, splits)
+        parts.append(predict(gpu, mw, s.B * s.n * s.hq, 8, ideal_bytes=0.0))
+    total = combine(parts, ideal_bytes=s.ideal_bytes(), gpu=gpu, ideal_flops=s.ideal_flops())
+    return total, parts, cfg, ctas
+
+
+def split_check(sim: Simulator, gpu: Gpu, s: Shape, block_m: int, res, sp) -> dict:
+    """The planner judged by the model: the modelled time at every split count the bounds allow,
+    the fastest of them, and the count the planner without the bytes (wave efficiency alone, the
+    previous rule) would take."""
+    times = {k: predict_ours(sim, gpu, s, block_m, res, k)[0].seconds for k in range(1, sp.max_splits + 1)}
+    best = min(times, key=times.get)
+    waves = plan_launch(gpu, s, by_bytes=False)[2].splits
+    return dict(best_splits=best, best_seconds=times[best], wave_rule_splits=waves, wave_rule_seconds=times[waves],
+                planned_over_best=times[sp.splits] / times[best])
 
 
 def model_shape(sim: Simulator, gpu: Gpu, s: Shape, with_anchor: bool = True) -> dict:
     from spec_kernels.attention.plan import DEVICES, resident_ctas_per_sm
 
     block_m, res, sp = plan_launch(gpu, s)
-    p0, p1 = SIM_PREFIXES
-    (w0, cfg), (w1, _) = sim.tree_verify(gpu.arch, s.n, s.group, p0), sim.tree_verify(gpu.arch, s.n, s.group, p1)
-    prefix = s.L - s.n
-    per_split = prefix / sp.splits
-    w = fit_linear(p0, w0, p1, w1, per_split)
-    m_blocks = cfg["grid"][0]  # row blocks of one (request, KV head)
-    ctas = s.B * s.hkv * m_blocks * sp.splits
-    resident = resident_ctas_per_sm(res, DEVICES[gpu.key])
-    parts = [predict(gpu, w, ctas, resident, ideal_bytes=s.ideal_bytes(), ideal_flops=s.ideal_flops())]
-    if sp.splits > 1:
-        m0, m1 = (sim.merge(gpu.arch, s.n, s.group, k) for k in MERGE_SPLITS)
-        mw = fit_linear(MERGE_SPLITS[0], m0, MERGE_SPLITS[1], m1, sp.splits)
-        parts.append(predict(gpu, mw, s.B * s.n * s.hq, 8, ideal_bytes=0.0))
-    total = combine(parts, ideal_bytes=s.ideal_bytes(), gpu=gpu, ideal_flops=s.ideal_flops())
-    return dict(shape=s.label, gpu=gpu.key, block_m=block_m, splits=sp.splits, resident=resident, ctas=ctas,
+    total, parts, cfg, ctas = predict_ours(sim, gpu, s, block_m, res, sp.splits)
+    return dict(shape=s.label, gpu=gpu.key, block_m=block_m, splits=sp.splits, split_limit=sp.limit,
+                split_check=split_check(sim, gpu, s, block_m, res, sp),
+                resident=resident_ctas_per_sm(res, DEVICES[gpu.key]), ctas=ctas,
                 prediction=total, launches=parts, config=cfg,
                 bandwidth=s.ideal_bytes() / total.seconds, ideal_bytes=s.ideal_bytes(),
                 anchors={**triton_ours(sim, gpu, s), **sglang_anchor(sim, gpu, s)} if with_anchor else {})
@@ -410,6 +433,15 @@ def print_table(rows: list[dict]) -> None:
         units = ", ".join(f"{u} {fmt_seconds(t)}" for u, t in sorted(p.units.items(), key=lambda kv: -kv[1])[:3])
         print(f"{r['gpu']:<13} {r['shape']:<34} {r['block_m']:>8} {r['splits']:>6} {r['ctas']:>6} "
               f"{fmt_seconds(p.seconds):>10} {r['bandwidth'] / 1e9:>7.0f} {p.of_floor:>7.2f}  {p.bottleneck} ({units})")
+    print("\nsplit sizing (tree_verify_cuda): the planner's split count against every count its bounds allow "
+          "(the model's fastest) and against the wave-efficiency rule it replaced; time / fastest")
+    print(f"{'gpu':<13} {'shape':<34} {'planned':>7} {'bound':>9} {'x best':>7} {'fastest':>7} {'time':>10}"
+          f" {'wave rule':>9} {'x best':>7}")
+    for r in rows:
+        c = r["split_check"]
+        print(f"{r['gpu']:<13} {r['shape']:<34} {r['splits']:>7} {r['split_limit']:>9} {c['planned_over_best']:>7.3f} "
+              f"{c['best_splits']:>7} {fmt_seconds(c['best_seconds']):>10} {c['wave_rule_splits']:>9} "
+              f"{c['wave_rule_seconds'] / c['best_seconds']:>7.3f}")
     for kernel, what in ANCHORS.items():
         have = [r for r in rows if kernel in r.get("anchors", {})]
         if not have:
@@ -449,6 +481,7 @@ def to_benchmark_json(rows: list[dict]) -> dict:
         benches.append(_entry("tree_verify_cuda", r, p.seconds, {
             "bottleneck": p.bottleneck, "of_floor": p.of_floor, "units": p.units, "splits": r["splits"],
             "ctas": r["ctas"], "block_m": r["block_m"], "resident": r["resident"], "gbps": r["bandwidth"] / 1e9,
+            "split_limit": r["split_limit"], "split_check": r["split_check"],
             "bytes": r["ideal_bytes"], "calibration_band": list(CALIBRATION_BAND)}))
         for kernel, a in r.get("anchors", {}).items():
             ap: Prediction = a["prediction"]

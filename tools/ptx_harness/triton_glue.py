@@ -398,7 +398,7 @@ class TritonPtxRunner:
                 setattr_saved(mod, "_ops", proxy)
             if hasattr(mod, "plan_splits"):
                 real = mod.plan_splits
-                setattr_saved(mod, "plan_splits", lambda device, *a, _real=real: _real(cuda, *a))
+                setattr_saved(mod, "plan_splits", lambda device, *a, _real=real, **kw: _real(cuda, *a, **kw))
             if lazy_name is not None:
                 lazy = getattr(mod, lazy_name)
                 setattr_saved(mod, lazy_name, self._lazy(lazy))

@@ -5,6 +5,9 @@ model predicts the time at these rates, and calibration.py says how far real ker
 GPU fall short of that. "derived" means arithmetic from the cited inputs; "assumed" means no
 public figure was found: those rates are named in every report that depends on them.
 
+The figures of the two target GPUs are those of spec_kernels.attention.plan.DEVICES (the split
+planner's), so the planner and the model cannot drift apart; this table adds their sources.
+
 Shared memory (32 banks x 4 bytes: one 128-byte wavefront per clock per SM) and issue (4 warp
 schedulers per SM, one warp-instruction per clock each) are the same on sm_80, sm_90 and sm_120
 (CUDA C++ Programming Guide, "Compute Capabilities"; the H100 whitepaper's SM diagram).
@@ -13,6 +16,8 @@ from __future__ import annotations
 
 import dataclasses
 from typing import Mapping
+
+from spec_kernels.attention.plan import DEVICES  # the figures the split planner uses too: written once
 
 
 @dataclasses.dataclass(frozen=True)
@@ -55,14 +60,20 @@ _LAUNCH = ("assumed: back-to-back kernels in a CUDA graph start about 1-2 us apa
            "microbenchmark of it was found")
 _L2 = "assumed: 2x the DRAM peak (no public L2 bandwidth table could be read); the reports name it when it binds"
 
+def _planner(key: str) -> dict:
+    """The rates spec_kernels.attention.plan.DEVICES holds for a named GPU."""
+    d = DEVICES[key]
+    return dict(sms=d.sms, clock_hz=d.clock_hz, dram_peak_bytes_per_s=d.dram_bytes_per_s,
+                l2_bytes_per_s=2 * d.dram_bytes_per_s,
+                mma_flops_per_clk={"bf16": d.mma_flops_per_clk, "f16": d.mma_flops_per_clk},
+                dram_latency_s=d.dram_latency_s, launch_overhead_s=d.launch_overhead_s)
+
+
 GPUS: dict[str, Gpu] = {
+    # H200: mma.sync on Hopper reaches ~63-65% of the wgmma peak of 4096 FLOP/clk/SM (989 TFLOPS
+    # at 1.83 GHz x 132 SMs): 0.64 x 4096
     "h200": Gpu(
-        "h200", "NVIDIA H200 SXM (sm_90)", "sm_90a", sms=132, clock_hz=1.98e9,
-        dram_peak_bytes_per_s=4.8e12, l2_bytes_per_s=9.6e12,
-        # mma.sync on Hopper reaches ~63-65% of the wgmma peak of 4096 FLOP/clk/SM (989 TFLOPS at
-        # 1.83 GHz x 132 SMs): 0.64 x 4096
-        mma_flops_per_clk={"bf16": 0.64 * 4096, "f16": 0.64 * 4096},
-        dram_latency_s=600e-9, launch_overhead_s=1.5e-6,
+        "h200", "NVIDIA H200 SXM (sm_90)", "sm_90a", **_planner("h200"),
         sources={
             "sms": "NVIDIA H200 datasheet: the GH100 of the H100 SXM, 132 SMs",
             "clock_hz": "H100 SXM5 max boost 1980 MHz (observed: smallscientist1/cutlass-kernels, "
@@ -76,10 +87,7 @@ GPUS: dict[str, Gpu] = {
             "dram_latency_s": _LAT, "launch_overhead_s": _LAUNCH,
         }),
     "rtx-pro-6000": Gpu(
-        "rtx-pro-6000", "NVIDIA RTX PRO 6000 Blackwell (sm_120)", "sm_120a", sms=188, clock_hz=2.6e9,
-        dram_peak_bytes_per_s=1.792e12, l2_bytes_per_s=3.584e12,
-        mma_flops_per_clk={"bf16": 1024.0, "f16": 1024.0},
-        dram_latency_s=600e-9, launch_overhead_s=1.5e-6,
+        "rtx-pro-6000", "NVIDIA RTX PRO 6000 Blackwell (sm_120)", "sm_120a", **_planner("rtx-pro-6000"),
         sources={
             "sms": "NVIDIA RTX PRO 6000 Blackwell launch specifications: 24,064 CUDA cores, 188 SMs",
             "clock_hz": "derived: 125 TFLOPS FP32 (launch specifications) / (24,064 cores x 2) = 2.6 GHz",
