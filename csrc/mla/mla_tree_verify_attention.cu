@@ -540,6 +540,7 @@ __global__ void __launch_bounds__(MlaTile<kMTiles, kFp8>::kThreads) mla_tree_ver
 // One block per (token, head): the split-KV combine (spec_kernels/split_merge.cuh).
 template <typename T>
 __global__ void mla_merge_splits_kernel(const MlaParams p) {
+  static_assert(kDv % kMergeVec == 0, "the merge combines kMergeVec columns per load");
   const int64_t idx = blockIdx.x;  // token * H + head
   const int64_t token = idx / p.num_heads;
   const int head = static_cast<int>(idx % p.num_heads);

@@ -475,6 +475,7 @@ cudaError_t device_smem(int device, int& per_sm, int& reserved) {
 template <typename T, int D, int kRows, bool kFp8>
 cudaError_t launch_config(const TreeVerifyParams& p, int device, cudaStream_t stream) {
   using Cfg = TileConfig<D, kRows, kFp8>;
+  static_assert(D % kMergeVec == 0, "the merge combines kMergeVec columns per load");
   const cudaError_t attr_err =
       opt_in_dynamic_smem_once<tree_verify_kernel<T, D, kRows, kFp8>, Cfg::kSmemBytes>(device);
   if (attr_err != cudaSuccess) return attr_err;

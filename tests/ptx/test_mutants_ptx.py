@@ -21,6 +21,7 @@ from ptxsim.memory import SimError  # noqa: E402
 import test_tree_verify_ptx as tv  # noqa: E402
 
 TV = "tree_verify/tree_verify_attention.cu"
+SM = "include/spec_kernels/split_merge.cuh"  # the split merge of both attention families
 
 # name: (file, what, old text, new text)
 MUTANTS = {
@@ -153,16 +154,49 @@ def run_tree_verify_fp8(ops):
     fp8.check(case, fp8.E4, torch.bfloat16, ops=ops, decode=True, splits=2)
 
 
+# Mutants of the split merge (vectorised: 4 columns and one 16-byte load per split and step).
+MERGE_MUTANTS = {
+    "merge_one_column_per_thread": (SM, "a merge thread starts at column threadIdx.x, not 4 x threadIdx.x",
+                                    "for (int d = threadIdx.x * kMergeVec; d < dim;", "for (int d = threadIdx.x; d < dim;"),
+    "merge_weights_of_split_0": (SM, "every split's partial weighted by split 0's lse",
+                                 "const float w = exp2f(lse_partial[s * num_rows + idx] - m_safe);",
+                                 "const float w = exp2f(lse_partial[idx] - m_safe);"),
+    "merge_reads_split_0": (SM, "every split reads split 0's partial row",
+                            "o_partial + (s * num_rows + idx) * dim + d", "o_partial + idx * dim + d"),
+    "merge_packed_columns_swapped": (SM, "the 8-byte store swaps columns 1 and 2",
+                                     "pack.v[1] = from_float<T>(b);\n    pack.v[2] = from_float<T>(c);",
+                                     "pack.v[1] = from_float<T>(c);\n    pack.v[2] = from_float<T>(b);"),
+    "merge_unaligned_store_drops_column_3": (SM, "the one-at-a-time store (unaligned rows) skips column 3",
+                                             "    dst[3] = from_float<T>(d);\n", ""),
+    "merge_always_packed": (SM, "the 8-byte store also for rows that are not 8-byte aligned",
+                            "const bool aligned8 = (reinterpret_cast<uintptr_t>(out_row) & 7) == 0;",
+                            "const bool aligned8 = true;"),
+}
+
+
+def run_merge(ops):
+    # 3 splits of a 900-key prefix (D = 128 and D = 64, a tree), into an aligned `out` and one
+    # that starts 1 element into its buffer (rows 2 bytes off 8-byte alignment)
+    for d, offset in ((128, 0), (128, 1), (64, 1)):
+        case = make_case([4, 2], [900, 300], hq=4, hkv=2, d=d, dtype=torch.bfloat16, kind="random", seed=14)
+        out, lse = tv.run_ptx(case, ops, splits=3, out_offset=offset)
+        ref, ref_lse = tv.reference(case)
+        torch.testing.assert_close(out.float(), ref.float(), atol=2e-2, rtol=2e-2, equal_nan=True)
+        torch.testing.assert_close(lse, ref_lse.float(), atol=1e-4, rtol=1e-4, equal_nan=True)
+
+
 def test_unmutated_case_passes():
     run_tree_verify(PtxCudaOps())
     run_tree_verify_wide(PtxCudaOps())
     run_tree_verify_fp8(PtxCudaOps())
+    run_merge(PtxCudaOps())
 
 
 # Each mutant with the case that runs its configuration.
 CASES = {**{name: (MUTANTS[name], run_tree_verify) for name in MUTANTS},
          **{name: (WIDE_MUTANTS[name], run_tree_verify_wide) for name in WIDE_MUTANTS},
-         **{name: (FP8_MUTANTS[name], run_tree_verify_fp8) for name in FP8_MUTANTS}}
+         **{name: (FP8_MUTANTS[name], run_tree_verify_fp8) for name in FP8_MUTANTS},
+         **{name: (MERGE_MUTANTS[name], run_merge) for name in MERGE_MUTANTS}}
 
 
 @pytest.mark.parametrize("name", sorted(CASES))

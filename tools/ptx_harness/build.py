@@ -172,7 +172,7 @@ def _compile_cu(src_file: str, text: str, arch: str, extra_includes: list[str], 
     flags = nvcc_flags(arch)
     inc = [f"-I{d}" for d in extra_includes]
     # The paths the PTX's .file lines carry are moved to this checkout when an entry is read back.
-    key = compile_key(_FORMAT, label, text, headers_digest(), "\0".join(flags + inc), nvcc_version(nvcc))
+    key = compile_key(_FORMAT, label, text, headers_digest(), "\0".join(inc + flags), nvcc_version(nvcc))
     base = os.path.splitext(os.path.basename(src_file))[0]
     entry = os.path.join(cache_dir(), "cuda", f"{base}.{arch}.{key[:24]}")
     ptx, meta = _read(entry + ".ptx"), _read(entry + ".json")
@@ -184,7 +184,7 @@ def _compile_cu(src_file: str, text: str, arch: str, extra_includes: list[str], 
         return CudaPTX(here(ptx), here(m["source"]), arch, key, m["seconds"], True, [here(f) for f in m["flags"]])
     with tempfile.TemporaryDirectory(prefix="ptxsim-nvcc-") as tmp:
         out = os.path.join(tmp, base + ".ptx")
-        cmd = [nvcc, *flags[:1], *inc, *flags[1:], src_file, "-o", out]
+        cmd = [nvcc, *inc, *flags, src_file, "-o", out]  # a patched copy's folders before csrc/include
         t0 = time.perf_counter()
         done = subprocess.run(cmd, capture_output=True, text=True, cwd=REPO)
         seconds = time.perf_counter() - t0
@@ -227,9 +227,8 @@ def cuda_ptx_from_source_info(text: str, arch: str = "sm_120a", name: str = "pat
     if headers and not extra:
         raise ValueError("patched headers need name to be the repository path of the .cu they are included by")
     for hdr in headers:
-        if hdr.startswith("..") or os.path.isabs(hdr) or hdr.startswith("include" + os.sep) or \
-                not os.path.isfile(os.path.join(CSRC, hdr)):
-            raise ValueError(f"patched header must be an existing csrc-relative header outside csrc/include: {hdr}")
+        if hdr.startswith("..") or os.path.isabs(hdr) or not os.path.isfile(os.path.join(CSRC, hdr)):
+            raise ValueError(f"patched header must be an existing csrc-relative header: {hdr}")
     blob = "".join(f"\0{k}\0{v}" for k, v in sorted(headers.items()))
     h = hashlib.sha256((label + "\0" + text + blob).encode()).hexdigest()[:24]
     # The source is kept (named like the original) so the PTX's .file / .loc lines point at real text.
@@ -238,8 +237,12 @@ def cuda_ptx_from_source_info(text: str, arch: str = "sm_120a", name: str = "pat
         # Patched headers: the .cu and every csrc/**/*.cuh outside csrc/include (the patched ones
         # edited) are laid out as under csrc/, so a quoted include ("x.cuh", "../norm/x.cuh") finds
         # the copy next to its includer before the -I path of the original's directory.
+        # Patched headers of csrc/include (included as <spec_kernels/...>) go to a copy of that
+        # folder holding only them, searched before csrc/include.
         root = os.path.join(cache_dir(), "src", h, "csrc")
         src_file = os.path.join(root, os.path.relpath(origin, CSRC))
+        if any(k.startswith("include" + os.sep) for k in headers):
+            extra = [os.path.join(root, "include")] + extra
         for p in glob.glob(os.path.join(CSRC, "**", "*.cuh"), recursive=True):
             rel = os.path.relpath(p, CSRC)
             if not rel.startswith("include" + os.sep) and rel not in headers:
@@ -258,7 +261,7 @@ def cuda_ptx_from_source(text: str, arch: str = "sm_120a", name: str = "patched.
     """The PTX of an edited copy of a .cu file (e.g. a mutant), compiled like cuda_ptx(). name is
     the .cu the text was edited from (repository path): its directory is put on the include path
     so the original's quoted relative includes resolve; csrc/include is on the path as always.
-    headers: {csrc-relative path of a header outside csrc/include: edited text}, used instead of
+    headers: {csrc-relative path of a header (csrc/include's too): edited text}, used instead of
     the file by the quoted includes of this compile (the .cu's text may be the unedited one)."""
     return cuda_ptx_from_source_info(text, arch, name, headers).ptx
 

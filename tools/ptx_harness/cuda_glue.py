@@ -93,7 +93,7 @@ class PtxCudaOps:
 
     def __init__(self, arch: str = ARCH, mma: str = "fast", check_races: bool = True, patched=None):
         """patched: {csrc-relative .cu path: edited source text} compiled instead of the file
-        (the mutant tests); a header key (.cuh / .h outside csrc/include) is used instead of the
+        (the mutant tests); a header key (a csrc-relative .cuh / .h, csrc/include's too) is used instead of the
         file by every .cu this object compiles."""
         self.arch = arch
         self.mma = mma
@@ -386,10 +386,11 @@ def _kv_format(cache_dtype) -> int:
     return source_constant({torch.float8_e4m3fn: "kKvE4M3", torch.float8_e5m2: "kKvE5M2"}.get(cache_dtype, "kKvLikeQ"))
 
 
-def run_tree_verify(case, ops, *, decode=False, splits=0, max_draft_tokens=0, scales=None):
+def run_tree_verify(case, ops, *, decode=False, splits=0, max_draft_tokens=0, scales=None, out_offset=0):
     """A spec_kernels.testing.Case through the real tree-verify binding (spec_kernels.tree_verify.cuda)
     with its cuda_ops pointing at `ops` (a PtxCudaOps); (out, lse), NaN where nothing was written.
-    scales: the KvScales of an fp8 cache."""
+    scales: the KvScales of an fp8 cache; out_offset: `out` starts this many elements into its
+    buffer (an odd offset: rows that are not 8-byte aligned)."""
     from spec_kernels.attention.checks import NO_SCALES
     from spec_kernels.tree_verify import cuda as tv_cuda
 
@@ -397,7 +398,8 @@ def run_tree_verify(case, ops, *, decode=False, splits=0, max_draft_tokens=0, sc
     if decode:
         T = case.kv_indptr.numel() - 1
     q = case.q[:T]
-    out = torch.full((T, Hq, case.v_cache.shape[2]), float("nan"), dtype=q.dtype)
+    dv = case.v_cache.shape[2]
+    out = torch.full((out_offset + T * Hq * dv,), float("nan"), dtype=q.dtype)[out_offset:].view(T, Hq, dv)
     lse = torch.full((T, Hq), float("nan"))
     saved = tv_cuda.cuda_ops
     tv_cuda.cuda_ops = lambda: ops

@@ -69,7 +69,8 @@ struct MlaTile {
   static_assert(kSmemBytes <= 99 * 1024, "sm_120 allows 99 KB of shared memory per block");
 };
 
-// Threads of the split-combine kernel (one block per (token, head)).
+// Threads of the split-combine kernel (one block per (token, head)): 4 columns each
+// (split_merge.cuh's kMergeVec) cover the 512-column latent row in one step.
 constexpr int kMlaMergeThreads = 128;
 
 template <int kMTiles, bool kFp8, int kRegs>

@@ -25,10 +25,37 @@ __device__ __forceinline__ void split_bounds(int prefix_len, int num_splits, int
   hi = lo + min(chunk, prefix_len - lo);
 }
 
-// Called by every thread of one block per row; the threads stride over the row's `dim` columns.
-// o_partial: fp32 [splits, num_rows, dim]; lse_partial: fp32 [splits, num_rows] (base 2);
-// idx = token * heads + head; out_row: the row's output; lse: fp32 [num_rows] in natural log, or
-// nullptr when not wanted.
+// Columns a merge thread combines at once: one 16-byte load of each split's fp32 partial row.
+constexpr int kMergeVec = 4;
+
+// Stores 4 consecutive outputs: one 8-byte store where the row allows it (out_row 8-byte aligned,
+// the same for every thread of the block), else one at a time.
+template <typename T>
+__device__ __forceinline__ void store4(T* dst, bool aligned8, float a, float b, float c, float d) {
+  if (aligned8) {
+    union {
+      T v[4];
+      uint2 u;
+    } pack;
+    pack.v[0] = from_float<T>(a);
+    pack.v[1] = from_float<T>(b);
+    pack.v[2] = from_float<T>(c);
+    pack.v[3] = from_float<T>(d);
+    *reinterpret_cast<uint2*>(dst) = pack.u;
+  } else {
+    dst[0] = from_float<T>(a);
+    dst[1] = from_float<T>(b);
+    dst[2] = from_float<T>(c);
+    dst[3] = from_float<T>(d);
+  }
+}
+
+// Called by every thread of one block per row; each thread combines kMergeVec consecutive columns
+// per step (16-byte loads of the partials), striding over the row's `dim` columns, and reads each
+// split's weight once per step. o_partial: fp32 [splits, num_rows, dim], 16-byte aligned, dim a
+// multiple of kMergeVec (every head dim of the kernels); lse_partial: fp32 [splits, num_rows]
+// (base 2); idx = token * heads + head; out_row: the row's output; lse: fp32 [num_rows] in
+// natural log, or nullptr when not wanted.
 template <typename T>
 __device__ void merge_split_row(const float* o_partial, const float* lse_partial, int num_splits, int64_t num_rows,
                                 int64_t idx, int dim, T* out_row, float* lse) {
@@ -39,13 +66,18 @@ __device__ void merge_split_row(const float* o_partial, const float* lse_partial
   for (int s = 0; s < num_splits; ++s) total += exp2f(lse_partial[s * num_rows + idx] - m_safe);
   const bool seen = total != 0.f;  // NaN counts as seen
   const float inv_total = seen ? 1.f / total : 0.f;
-  for (int d = threadIdx.x; d < dim; d += blockDim.x) {
-    float o = 0.f;
+  const bool aligned8 = (reinterpret_cast<uintptr_t>(out_row) & 7) == 0;
+  for (int d = threadIdx.x * kMergeVec; d < dim; d += blockDim.x * kMergeVec) {
+    float4 o = make_float4(0.f, 0.f, 0.f, 0.f);
     for (int s = 0; s < num_splits; ++s) {
       const float w = exp2f(lse_partial[s * num_rows + idx] - m_safe);
-      o += w * o_partial[(s * num_rows + idx) * dim + d];
+      const float4 v = *reinterpret_cast<const float4*>(o_partial + (s * num_rows + idx) * dim + d);
+      o.x += w * v.x;
+      o.y += w * v.y;
+      o.z += w * v.z;
+      o.w += w * v.w;
     }
-    out_row[d] = from_float<T>(o * inv_total);
+    store4(out_row + d, aligned8, o.x * inv_total, o.y * inv_total, o.z * inv_total, o.w * inv_total);
   }
   if (lse != nullptr && threadIdx.x == 0) {
     lse[idx] = seen ? (m_safe + log2f(total)) * 0.69314718055994531f : -INFINITY;

@@ -78,8 +78,9 @@ struct TileConfig {
   static_assert(kSmemBytes <= 99 * 1024, "sm_120 allows 99 KB of shared memory per block");
 };
 
-// Threads of the split-combine kernel (one block per (token, head)).
-constexpr int kTreeVerifyMergeThreads = 64;
+// Threads of the split-combine kernel (one block per (token, head)): one warp, 4 columns each
+// (split_merge.cuh's kMergeVec), covers a 128-column row in one step.
+constexpr int kTreeVerifyMergeThreads = 32;
 
 template <int D, int kRows, bool kFp8, int kRegs>
 constexpr LaunchShape tree_verify_instance_shape() {
