@@ -369,6 +369,7 @@ class TritonPtxRunner:
         from triton.runtime.interpreter import InterpretedFunction
         from triton.runtime.jit import JITFunction
 
+        from spec_kernels import _ops as spec_ops
         from spec_kernels.attention import plan
 
         runner = self
@@ -386,6 +387,9 @@ class TritonPtxRunner:
         setattr_saved(InterpretedFunction, "run", run)
         setattr_saved(JITFunction, "run", run)  # the kernels are JITFunctions when TRITON_INTERPRET is off
         setattr_saved(plan, "sm_count", lambda index: runner.sms)
+        # the ops' dispatch takes CPU tensors for Triton only when interpreting: so it does here
+        # (the PTX interpreter runs them), with or without TRITON_INTERPRET in this process
+        setattr_saved(spec_ops, "triton_interpreting", lambda: True)
         cuda = types.SimpleNamespace(type="cuda", index=0)
         for modname, lazy_name in _LAUNCHERS.items():
             mod = importlib.import_module(modname)
