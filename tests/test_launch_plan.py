@@ -96,12 +96,8 @@ def _check_cheapest(p, cost, prefix, where):
 
 def _plan_pieces(shape, limits, impl):
     """(plan, cost, prefix) of a benchmark shape as its launcher plans it."""
-    block_m, p = bp.plan_shape(shape, limits, impl)
-    group = shape.heads // shape.kv_heads
-    rows = ap.expected_rows(shape.B * shape.n, shape.B, group, shape.n == 1, shape.n)
-    prefix = ap.mean_prefix(shape.B * (shape.L + shape.n), shape.B, rows, group)
-    kernel, traffic = bp.launch_resources(shape, limits, impl, block_m)
-    return p, ap.split_cost(limits, kernel, traffic, rows, block_m), prefix
+    lp = bp.launch_plan(shape, limits, impl)
+    return lp.plan, lp.cost, lp.prefix
 
 
 @pytest.mark.parametrize("impl", ["cuda", "triton"])
@@ -125,7 +121,7 @@ def test_the_partials_are_weighed_against_the_waves():
     rtx = ap.DEVICES["rtx-pro-6000"]
     shape = bp.Shape("gqa-32/4", 32, 32, 4, 128, 4096, 16)
     p, cost, prefix = _plan_pieces(shape, rtx, "cuda")
-    waves = ap.plan(p.ctas, p.slots, p.per_sm, prefix)  # without the bytes: wave efficiency alone
+    waves = bp.launch_plan(shape, rtx, "cuda").wave_rule()  # without the bytes: wave efficiency alone
     assert (waves.splits, waves.limit) == (10, "waves") and waves.efficiency > 0.9
     assert (p.splits, p.limit) == (1, "bandwidth")
     assert cost.seconds(p.ctas, p.per_sm, 10, prefix) > 1.3 * p.seconds  # partials + merge: +30% and more

@@ -15,11 +15,14 @@ from ..attention.plan import (
     MIN_SPLIT_KEYS,
     DeviceLimits,
     KernelResources,
+    SplitCost,
     SplitPlan,
     SplitTraffic,
     expected_rows,
     max_rows,
     mean_prefix,
+    plan,
+    split_cost,
     split_plan,
 )
 from ..mla import cuda as mla_cuda
@@ -82,14 +85,39 @@ def launch_resources(shape: Shape, limits: DeviceLimits, impl: str, block_m: int
             tv_triton.split_traffic(shape.head_dim, shape.head_dim, 2))
 
 
-def plan_shape(shape: Shape, limits: DeviceLimits, impl: str = "cuda") -> tuple[int, SplitPlan]:
-    """(BLOCK_M, plan) of one benchmark shape, as the launcher would plan it on `limits`."""
+@dataclass(frozen=True)
+class LaunchPlan:
+    """One benchmark shape's launch as its launcher plans it: rows per CTA, one CTA's resources,
+    the split traffic and cost model, the mean prefix and the split plan."""
+
+    block_m: int
+    kernel: KernelResources
+    traffic: SplitTraffic
+    cost: SplitCost
+    prefix: int
+    plan: SplitPlan
+
+    def wave_rule(self) -> SplitPlan:
+        """The plan without the bytes (wave efficiency alone), for comparison."""
+        p = self.plan
+        return plan(p.ctas, p.slots, p.per_sm, self.prefix)
+
+
+def launch_plan(shape: Shape, limits: DeviceLimits, impl: str = "cuda") -> LaunchPlan:
+    """The launch of one benchmark shape, as the launcher would plan it on `limits`."""
     group = shape.heads // shape.kv_heads
     rows = expected_rows(shape.B * shape.n, shape.B, group, shape.n == 1, shape.n)
     block_m = _block_m(shape, limits, impl)
     kernel, traffic = launch_resources(shape, limits, impl, block_m)
     prefix = mean_prefix(shape.B * (shape.L + shape.n), shape.B, rows, group)  # kv_indices: L + n slots each
-    return block_m, split_plan(limits, kernel, shape.B, shape.kv_heads, rows, block_m, prefix, traffic)
+    return LaunchPlan(block_m, kernel, traffic, split_cost(limits, kernel, traffic, rows, block_m), prefix,
+                      split_plan(limits, kernel, shape.B, shape.kv_heads, rows, block_m, prefix, traffic))
+
+
+def plan_shape(shape: Shape, limits: DeviceLimits, impl: str = "cuda") -> tuple[int, SplitPlan]:
+    """(BLOCK_M, plan) of one benchmark shape, as the launcher would plan it on `limits`."""
+    lp = launch_plan(shape, limits, impl)
+    return lp.block_m, lp.plan
 
 
 def format_table(shapes: Sequence[Shape], limits: DeviceLimits, impl: str) -> str:

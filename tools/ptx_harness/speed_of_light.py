@@ -317,51 +317,34 @@ def sglang_anchor(sim: Simulator, gpu: Gpu, s: Shape) -> dict:
     return {"sglang_triton_decode": dict(_anchor(gpu, s, parts, ctas), config=cfg, splits=splits, target=t.note)}
 
 
+def launch_plan(gpu: Gpu, s: Shape, impl: str = "cuda"):
+    """The launch of shape `s` on `gpu` as its launcher plans it (spec_kernels.bench.plan)."""
+    from spec_kernels.attention.plan import DEVICES
+    from spec_kernels.bench import plan as bench_plan
+
+    shape = bench_plan.Shape(s.label, s.B, s.hq, s.hkv, D, s.L - s.n, s.n)  # there L is the prefix
+    return bench_plan.launch_plan(shape, DEVICES[gpu.key], impl)
+
+
 def triton_ours(sim: Simulator, gpu: Gpu, s: Shape) -> dict:
     """Our Triton kernel planned as its launcher plans it on `gpu` (fixed tile, split count)."""
-    from spec_kernels.attention.plan import DEVICES, expected_rows, max_rows, mean_prefix, resident_ctas_per_sm, \
-        split_plan
-    from spec_kernels.tree_verify.triton_kernel import default_block_m, planned_resources, split_traffic
+    from spec_kernels.attention.plan import DEVICES, resident_ctas_per_sm
 
     t = triton_target(gpu)
-    limits = DEVICES[gpu.key]
-    decode = s.n == 1
-    T = s.B * s.n
-    block_m = default_block_m(max_rows(T, s.group, decode, s.n), D)
-    work = expected_rows(T, s.B, s.group, decode, s.n)
-    res = planned_resources(block_m, D, D, 2, False)
-    sp = split_plan(limits, res, s.B, s.hkv, work, block_m, mean_prefix(s.B * s.L, s.B, work, s.group),
-                    split_traffic(D, D, 2))
+    lp = launch_plan(gpu, s, "triton")
+    sp = lp.plan
     p0, p1 = SIM_PREFIXES
     (w0, u0, cfg), = sim.triton(t, "ours_triton", s.n, s.group, p0, 1)
     (w1, u1, _), = sim.triton(t, "ours_triton", s.n, s.group, p1, 1)
     per_split = (s.L - s.n) / sp.splits
     ctas = s.B * s.hkv * cfg["grid"][0] * sp.splits
-    parts = [predict(gpu, fit_linear(p0, w0, p1, w1, per_split), ctas, resident_ctas_per_sm(res, limits),
+    parts = [predict(gpu, fit_linear(p0, w0, p1, w1, per_split), ctas, resident_ctas_per_sm(lp.kernel, DEVICES[gpu.key]),
                      ideal_bytes=s.ideal_bytes(), ideal_flops=s.ideal_flops())]
     if sp.splits > 1:
         m0, m1 = (sim.triton(t, "ours_triton", s.n, s.group, 64 * k, k)[-1][0] for k in MERGE_SPLITS)
         parts.append(predict(gpu, fit_linear(MERGE_SPLITS[0], m0, MERGE_SPLITS[1], m1, sp.splits), s.B * s.n * s.hq,
                              8, ideal_bytes=0.0))
     return {"tree_verify_triton": dict(_anchor(gpu, s, parts, ctas), config=cfg, splits=sp.splits, target=t.note)}
-
-
-def plan_launch(gpu: Gpu, s: Shape, by_bytes: bool = True):
-    """(block_m, resources, SplitPlan) of the CUDA launch on `gpu`, as the binding plans it;
-    by_bytes=False: as the planner without the bytes (wave efficiency alone) would."""
-    from spec_kernels.attention.plan import DEVICES, expected_rows, max_rows, mean_prefix, split_plan
-    from spec_kernels.tree_verify.cuda import cuda_tree_verify_block_m, cuda_tree_verify_resources, split_traffic
-
-    limits = DEVICES[gpu.key]
-    decode = s.n == 1
-    T = s.B * s.n
-    rows = max_rows(T, s.group, decode, s.n)
-    work = expected_rows(T, s.B, s.group, decode, s.n)
-    block_m = cuda_tree_verify_block_m(D, rows, limits)
-    res = cuda_tree_verify_resources(D, block_m)
-    sp = split_plan(limits, res, s.B, s.hkv, work, block_m, mean_prefix(s.B * s.L, s.B, work, s.group),
-                    split_traffic(D) if by_bytes else None)
-    return block_m, res, sp
 
 
 def predict_ours(sim: Simulator, gpu: Gpu, s: Shape, block_m: int, res, splits: int) -> tuple[Prediction, list, dict, int]:
@@ -384,13 +367,14 @@ def predict_ours(sim: Simulator, gpu: Gpu, s: Shape, block_m: int, res, splits: 
     return total, parts, cfg, ctas
 
 
-def split_check(sim: Simulator, gpu: Gpu, s: Shape, block_m: int, res, sp) -> dict:
+def split_check(sim: Simulator, gpu: Gpu, s: Shape, lp) -> dict:
     """The planner judged by the model: the modelled time at every split count the bounds allow,
     the fastest of them, and the count the planner without the bytes (wave efficiency alone, the
     previous rule) would take."""
-    times = {k: predict_ours(sim, gpu, s, block_m, res, k)[0].seconds for k in range(1, sp.max_splits + 1)}
+    sp = lp.plan
+    times = {k: predict_ours(sim, gpu, s, lp.block_m, lp.kernel, k)[0].seconds for k in range(1, sp.max_splits + 1)}
     best = min(times, key=times.get)
-    waves = plan_launch(gpu, s, by_bytes=False)[2].splits
+    waves = lp.wave_rule().splits
     return dict(best_splits=best, best_seconds=times[best], wave_rule_splits=waves, wave_rule_seconds=times[waves],
                 planned_over_best=times[sp.splits] / times[best])
 
@@ -398,11 +382,12 @@ def split_check(sim: Simulator, gpu: Gpu, s: Shape, block_m: int, res, sp) -> di
 def model_shape(sim: Simulator, gpu: Gpu, s: Shape, with_anchor: bool = True) -> dict:
     from spec_kernels.attention.plan import DEVICES, resident_ctas_per_sm
 
-    block_m, res, sp = plan_launch(gpu, s)
-    total, parts, cfg, ctas = predict_ours(sim, gpu, s, block_m, res, sp.splits)
-    return dict(shape=s.label, gpu=gpu.key, block_m=block_m, splits=sp.splits, split_limit=sp.limit,
-                split_check=split_check(sim, gpu, s, block_m, res, sp),
-                resident=resident_ctas_per_sm(res, DEVICES[gpu.key]), ctas=ctas,
+    lp = launch_plan(gpu, s)
+    sp = lp.plan
+    total, parts, cfg, ctas = predict_ours(sim, gpu, s, lp.block_m, lp.kernel, sp.splits)
+    return dict(shape=s.label, gpu=gpu.key, block_m=lp.block_m, splits=sp.splits, split_limit=sp.limit,
+                split_check=split_check(sim, gpu, s, lp),
+                resident=resident_ctas_per_sm(lp.kernel, DEVICES[gpu.key]), ctas=ctas,
                 prediction=total, launches=parts, config=cfg,
                 bandwidth=s.ideal_bytes() / total.seconds, ideal_bytes=s.ideal_bytes(),
                 anchors={**triton_ours(sim, gpu, s), **sglang_anchor(sim, gpu, s)} if with_anchor else {})
