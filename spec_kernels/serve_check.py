@@ -1,18 +1,36 @@
 """python -m spec_kernels.serve_check --model TARGET --draft EAGLE3_DRAFT [options] [-- SERVER ARGS]
 
-Launches SGLang twice on this machine, one server after the other:
+Plain decoding, static EAGLE-3 and SGLang's adaptive speculation configured from those two, at the
+same concurrencies, in one command. It launches SGLang on this machine, one server after the other:
 
-1. the baseline: the target model without speculation (``--baseline-attention-backend``, default
+1. ``baseline``: the target model without speculation (``--baseline-attention-backend``, default
    SGLang's own choice);
-2. EAGLE-3 with ``--attention-backend specfused`` (``--steps``, ``--topk``, ``--draft-tokens``).
+2. ``eagle``: EAGLE-3 with ``--attention-backend specfused`` (``--steps``, ``--topk``,
+   ``--draft-tokens``);
+3. the policy (``spec_kernels.policy``) on what the servers before it measured, whole-step costs and acceptance:
+   SGLang's ``--speculative-adaptive-config`` (written to ``STEM.adaptive_config.json`` next to
+   ``--out``) and its predicted output tok/s at every concurrency;
+4. ``adaptive``: server 2 with ``--speculative-adaptive --speculative-adaptive-config`` from 3
+   (SGLang's adaptive mode runs chains only: ``--topk 1``; ``--no-adaptive`` skips 3 and 4).
+
+With ``--measure-off`` a server ``eagle_off`` runs before 3: the adaptive server with drafting
+turned off at every batch size (candidate steps 0; SGLang still runs its EAGLE worker, a 1-token
+verify and the draft's extend), compared with 1: what speculation costs once the adaptive tier
+has switched it off. The policy then judges the steps-0 tier by that cost instead of the plain
+server's, and says per concurrency whether the adaptive or a plain server is faster.
+``--skip-off-draft-extend`` runs the adaptive servers with SGLang's
+``SGLANG_SPEC_SKIP_ZERO_STEP_DRAFT_EXTEND=1`` (no draft extend while drafting is off: cheaper
+steps, a cold draft when drafting resumes).
 
 On each it runs the same greedy check (temperature 0, EOS ignored: the first prompt alone, then
-all check prompts in one batch) and a closed-loop load test at every concurrency C of ``--concurrency``: C clients each
-send their next request as soon as the previous one returns, ``--rounds`` x C requests in all.
-It then reports, per concurrency, output tok/s, request latency (mean, median, p90) and, for
-EAGLE-3, the acceptance length tau (output tokens / verify steps, bonus token included, as
-SGLang's ``spec_accept_length``), and fails (exit status 1) when a greedy output of EAGLE-3
-differs from the baseline's.
+all check prompts in one batch), a warm-up (``--warmup`` requests, not timed), and a closed-loop
+load test at every concurrency C of ``--concurrency``: C clients each send their next request as
+soon as the previous one returns, ``--rounds`` x C requests in all. It then reports, per
+concurrency, output tok/s, request latency (mean, median, p90) and, for EAGLE-3, the acceptance
+length tau (output tokens / verify steps, bonus token included, as SGLang's ``spec_accept_length``);
+for the adaptive server also the steps the policy chose, its prediction and the prediction error
+(predicted / measured - 1), and adaptive / max(baseline, EAGLE). It fails (exit status 1) when a
+greedy output of any server differs from the baseline's.
 
 The JSON it writes (``--out``) is at once a cost file and an acceptance file for the throughput
 model, so ``python -m spec_kernels.policy --costs OUT --acceptance OUT`` reads it:
@@ -23,7 +41,10 @@ model, so ``python -m spec_kernels.policy --costs OUT --acceptance OUT`` reads i
   ``spec_kernels/policy/examples/design_table_costs.json``;
 * ``configs``: the EAGLE-3 configuration (n = draft tokens, its topk) with the tau measured over
   all levels;
+* ``adaptive``: the config the policy wrote, its predictions and their errors per concurrency;
 * plus what was measured: the servers' command lines, the greedy check, every level's numbers.
+A plot (``STEM.png``: output tok/s vs concurrency for baseline, EAGLE static, adaptive and the
+policy's prediction) is written when matplotlib (the ``bench`` extra) is installed.
 
 Requests are SGLang's native ``/generate`` with text prompts (``--prompts``: a JSON list of
 strings or a text file with one prompt per line; a small built-in English set otherwise) and a
@@ -32,8 +53,9 @@ http.client, no extra packages), because acceptance is read per request from ``/
 ``meta_info`` and token counts must be exact; ``python -m sglang.bench_serving`` (which needs
 the ``datasets`` package) can be pointed at the same servers for other workloads.
 
-Everything after ``--`` goes to both servers (e.g. ``-- --tp 8 --dtype bfloat16``);
-``--baseline-args`` / ``--eagle-args`` add arguments to one of them. The servers bind
+Everything after ``--`` goes to every server (e.g. ``-- --tp 8 --dtype bfloat16``);
+``--baseline-args`` / ``--eagle-args`` add arguments to one of them (``--eagle-args`` also to the
+adaptive servers, which are the EAGLE-3 server plus the adaptive flags). The servers bind
 ``--host`` (default 127.0.0.1) and are always stopped, also on errors and Ctrl-C; their logs
 are written next to ``--out``.
 """
@@ -321,7 +343,8 @@ def compare_outputs(base: list, eagle: list) -> list[dict]:
 
 
 def cost_rows(levels: dict[str, list[Level]], n: int) -> list[dict]:
-    """Whole-step costs for spec_kernels.policy (closed loop: B = concurrency)."""
+    """Whole-step costs for spec_kernels.policy (closed loop: B = concurrency); ``eagle_off``
+    rows where that server was measured."""
     rows = []
     for lv in levels["baseline"]:
         rows.append({"mode": "baseline", "B": lv.concurrency, "n": 1,
@@ -330,6 +353,9 @@ def cost_rows(levels: dict[str, list[Level]], n: int) -> list[dict]:
         tau = lv.tau or 1.0
         rows.append({"mode": "eagle", "B": lv.concurrency, "n": n, "step_s": lv.concurrency * tau / lv.tok_s,
                      "tok_s": lv.tok_s, "tau_measured": tau})
+    for lv in levels.get("eagle_off", []):  # drafting off: one token per request per step
+        rows.append({"mode": "eagle_off", "B": lv.concurrency, "n": 1, "step_s": lv.concurrency / lv.tok_s,
+                     "tok_s": lv.tok_s})
     return rows
 
 
@@ -351,6 +377,16 @@ def _positive_int(text: str) -> int:
         value = 0
     if value < 1:
         raise argparse.ArgumentTypeError(f"{text!r}: want a positive integer")
+    return value
+
+
+def _count(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        value = -1
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"{text!r}: want a non-negative integer")
     return value
 
 
@@ -387,15 +423,26 @@ def parse_args(argv):
                    help="closed-loop concurrencies (default 1,2,5,10,30,70,100,250)")
     p.add_argument("--rounds", type=_positive_int, default=4,
                    help="requests per level = rounds x concurrency (default 4)")
-    p.add_argument("--output-len", type=_positive_int, default=256, help="output tokens per load-test request")
+    p.add_argument("--warmup", type=_count,
+                   help="untimed requests before the levels, at the largest concurrency (default: that "
+                        "concurrency, one round; 0: none)")
+    p.add_argument("--output-len", type=_positive_int, default=512, help="output tokens per load-test request (default 512)")
     p.add_argument("--check-len", type=_positive_int, default=64, help="output tokens per greedy-check prompt")
     p.add_argument("--prompts", help="JSON list of prompts, or a text file with one prompt per line")
+    p.add_argument("--no-adaptive", action="store_true",
+                   help="measure baseline and EAGLE-3 only (no policy-configured adaptive server)")
+    p.add_argument("--measure-off", action="store_true",
+                   help="also measure the adaptive server with drafting off at every batch size (steps 0); "
+                        "the policy then uses that cost for its no-drafting tier")
+    p.add_argument("--skip-off-draft-extend", action="store_true",
+                   help="adaptive servers skip the draft's extend while drafting is off "
+                        "(SGLANG_SPEC_SKIP_ZERO_STEP_DRAFT_EXTEND=1)")
     p.add_argument("--host", default="127.0.0.1", help="address the servers bind (default 127.0.0.1)")
     p.add_argument("--out", default="serve_check.json", help="result JSON (server logs go next to it)")
     p.add_argument("--startup-timeout", type=float, default=1800.0, help="seconds to wait for each server")
     p.add_argument("--request-timeout", type=float, default=1800.0, help="seconds per request")
     p.add_argument("--baseline-args", default="", help="extra arguments for the baseline server only")
-    p.add_argument("--eagle-args", default="", help="extra arguments for the EAGLE-3 server only")
+    p.add_argument("--eagle-args", default="", help="extra arguments for the EAGLE-3 servers (static and adaptive)")
     args = p.parse_args(argv)
     args.shared = shared
     if args.draft_tokens is None:
@@ -405,24 +452,64 @@ def parse_args(argv):
                 f"{args.draft_tokens}")
     if args.draft_tokens < 2:
         p.error("--draft-tokens must be at least 2")
+    if args.topk != 1 and not args.no_adaptive:
+        p.error(f"SGLang's adaptive speculation runs chains only (--topk 1), got --topk {args.topk}; "
+                "pass --no-adaptive to measure a tree against the baseline alone")
+    if args.topk == 1 and not args.no_adaptive and args.draft_tokens != args.steps + 1:
+        p.error(f"adaptive speculation runs steps + 1 draft tokens per chain; --draft-tokens {args.draft_tokens} "
+                f"with --steps {args.steps} needs --no-adaptive")
+    if (args.measure_off or args.skip_off_draft_extend) and args.no_adaptive:
+        p.error("--measure-off and --skip-off-draft-extend concern adaptive servers; they cannot go with --no-adaptive")
+    if args.warmup is None:
+        args.warmup = max(args.concurrency)
     return args
 
 
+def _eagle_common(args) -> list[str]:
+    return ["--model-path", args.model, *args.shared, "--attention-backend", "specfused",
+            "--speculative-algorithm", "EAGLE3", "--speculative-draft-model-path", args.draft,
+            "--speculative-eagle-topk", str(args.topk)]
+
+
 def server_args(args) -> dict[str, list[str]]:
-    common = ["--model-path", args.model, *args.shared]
-    baseline = common + (["--attention-backend", args.baseline_attention_backend]
-                         if args.baseline_attention_backend else []) + shlex.split(args.baseline_args)
-    eagle = common + ["--attention-backend", "specfused", "--speculative-algorithm", "EAGLE3",
-                      "--speculative-draft-model-path", args.draft, "--speculative-num-steps", str(args.steps),
-                      "--speculative-eagle-topk", str(args.topk),
-                      "--speculative-num-draft-tokens", str(args.draft_tokens)] + shlex.split(args.eagle_args)
+    """The command lines of the baseline and the static EAGLE-3 server."""
+    baseline = ["--model-path", args.model, *args.shared] + (
+        ["--attention-backend", args.baseline_attention_backend] if args.baseline_attention_backend else []
+    ) + shlex.split(args.baseline_args)
+    eagle = _eagle_common(args) + ["--speculative-num-steps", str(args.steps),
+                                   "--speculative-num-draft-tokens", str(args.draft_tokens)] + shlex.split(args.eagle_args)
     return {"baseline": baseline, "eagle": eagle}
 
 
-def measure(name: str, cmd_args: list[str], args, prompts: list[str], log_path: str, report) -> dict:
-    with Server(name, cmd_args, log_path, host=args.host, startup_timeout_s=args.startup_timeout) as srv:
+def adaptive_server_args(args, config_path: str, initial_steps: int) -> list[str]:
+    """The EAGLE-3 server under SGLang's adaptive speculation with `config_path`; it starts at
+    `initial_steps` (one of the config's candidate steps; 0 = drafting off, 1 draft token)."""
+    return _eagle_common(args) + ["--speculative-num-steps", str(initial_steps),
+                                  "--speculative-num-draft-tokens", str(initial_steps + 1),
+                                  "--speculative-adaptive", "--speculative-adaptive-config", config_path
+                                  ] + shlex.split(args.eagle_args)
+
+
+# Drafting off at every batch size: the price of SGLang's EAGLE worker once adaptive has turned
+# speculation off.
+OFF_CONFIG = {"1": {"candidate_steps": [0]}}
+
+
+def adaptive_env(args) -> Optional[dict]:
+    """The adaptive servers' environment: this one, plus SGLang's skip switch when asked."""
+    if not args.skip_off_draft_extend:
+        return None
+    return dict(os.environ, SGLANG_SPEC_SKIP_ZERO_STEP_DRAFT_EXTEND="1")
+
+
+def measure(name: str, cmd_args: list[str], args, prompts: list[str], log_path: str, report,
+            env: Optional[dict] = None) -> dict:
+    with Server(name, cmd_args, log_path, host=args.host, startup_timeout_s=args.startup_timeout, env=env) as srv:
         report(f"{name}: up after {srv.startup_s:.1f} s ({srv.base_url}, log {log_path})")
         check = greedy_check(srv, prompts, args.check_len, args.request_timeout)
+        if args.warmup:
+            run_level(srv, prompts, min(args.warmup, max(args.concurrency)), args.warmup, args.output_len,
+                      args.request_timeout)
         levels = []
         for c in args.concurrency:
             lv = run_level(srv, prompts, c, args.rounds * c, args.output_len, args.request_timeout)
@@ -431,6 +518,111 @@ def measure(name: str, cmd_args: list[str], args, prompts: list[str], log_path: 
             report(f"{name}: C={c}: {lv.tok_s:.1f} tok/s, median latency {statistics.median(lv.latencies_s):.2f} s{tau}")
         return {"command": srv.command, "startup_s": srv.startup_s, "cpu_s": srv.cpu_s(), "check": check,
                 "levels": levels}
+
+
+def greedy_rows(base: dict, other: dict) -> dict:
+    """`other`'s greedy check against the baseline's: per prompt, batch 1, all equal."""
+    rows = compare_outputs(base["output_ids"], other["output_ids"])
+    batch1 = compare_outputs([base["batch1_output_ids"]], [other["batch1_output_ids"]])[0]
+    return {"per_prompt": rows, "batch1": batch1, "all_equal": batch1["equal"] and all(r["equal"] for r in rows)}
+
+
+def adaptive_rows(levels: dict[str, list[Level]], predictions: dict) -> list[dict]:
+    """Per concurrency: the policy's steps and prediction for the adaptive server, its measurement,
+    the prediction error (predicted / measured - 1), adaptive / max(baseline, EAGLE), the faster
+    server the policy predicted; with an ``eagle_off`` run, its tok/s and eagle_off / baseline."""
+    rows = []
+    off = {lv.concurrency: lv for lv in levels.get("eagle_off", [])}
+    for b, e, a in zip(levels["baseline"], levels["eagle"], levels["adaptive"]):
+        c = b.concurrency
+        pred = predictions[c]
+        best_static = max(b.tok_s, e.tok_s)
+        row = dict(concurrency=c, **pred, adaptive_tok_s=a.tok_s,
+                   prediction_error=pred["predicted_tok_s"] / a.tok_s - 1.0, best_static_tok_s=best_static,
+                   adaptive_over_best_static=a.tok_s / best_static, adaptive_verify_steps=a.verify_steps)
+        if c in off:
+            row.update(eagle_off_tok_s=off[c].tok_s, eagle_off_over_baseline=off[c].tok_s / b.tok_s)
+        rows.append(row)
+    return rows
+
+
+def policy_config(out_path: str, max_B: int, concurrency: Sequence[int]) -> tuple[dict, dict]:
+    """The policy on the measured cost/acceptance file: SGLang's adaptive config over B = 1..max_B,
+    and per concurrency the steps the adaptive server runs (0: drafting off), its predicted tok/s
+    and which server (adaptive or plain) the policy predicts faster."""
+    from .policy.model import load_acceptance, load_costs, predict_adaptive, sglang_adaptive_config
+
+    costs = load_costs(out_path)
+    configs, _ = load_acceptance(out_path)
+    config = sglang_adaptive_config(costs, configs, max_B)
+    steps_of = {c.name: c.sglang_steps for c in configs}
+    predictions = {}
+    for c in concurrency:
+        p = predict_adaptive(costs, configs, c)
+        predictions[c] = {"policy_steps": 0 if p.best == "off" else steps_of[p.best],
+                          "predicted_tok_s": p.best_tok_s, "predicted_plain_tok_s": p.plain,
+                          "faster_server": "adaptive" if p.best_tok_s > p.plain else "plain"}
+    return config, predictions
+
+
+def write_plot(path: str, levels: dict[str, list[Level]], predictions: Optional[dict], title: str) -> None:
+    """Output tok/s vs concurrency of every server measured and, given `predictions`
+    (concurrency -> tok/s), the policy's prediction for the adaptive server."""
+    from ._extras import import_extra
+
+    matplotlib = import_extra("matplotlib", "bench", "serve_check's plot")
+    matplotlib.use("Agg")  # no display: files only
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(8, 5))
+    styles = {"baseline": ("black", "o", "baseline"), "eagle": ("tab:blue", "s", "EAGLE-3 static"),
+              "adaptive": ("tab:green", "^", "adaptive (policy's config)"),
+              "eagle_off": ("tab:red", "v", "EAGLE worker, drafting off")}
+    for name, lvs in levels.items():
+        color, marker, label = styles[name]
+        ax.plot([lv.concurrency for lv in lvs], [lv.tok_s for lv in lvs], color=color, marker=marker, lw=1.5,
+                label=label)
+    if predictions:
+        cs = sorted(predictions)
+        ax.plot(cs, [predictions[c] for c in cs], color="0.6", ls="--", lw=2,
+                label="policy's prediction (adaptive)")
+    ax.set_xscale("log")
+    ax.set_xlabel("concurrency (closed loop)")
+    ax.set_ylabel("output tok/s")
+    ax.set_title(title, fontsize=9)
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def format_table(levels: dict[str, list[Level]], adaptive: Optional[list[dict]]) -> list[str]:
+    head = f"{'C':>5} | {'base tok/s':>10} | {'base p50 s':>10} | {'EAGLE tok/s':>11} | {'tau':>5} | {'EAGLE/base':>10}"
+    if adaptive:
+        head += (f" | {'steps':>5} | {'predicted':>9} | {'adaptive':>8} | {'pred err':>8} | {'adapt/best':>10}")
+        if "eagle_off_tok_s" in adaptive[0]:
+            head += f" | {'off tok/s':>9} | {'off/base':>8}"
+        head += " | faster (predicted)"
+    lines = [head]
+    for i, (b, e) in enumerate(zip(levels["baseline"], levels["eagle"])):
+        line = (f"{b.concurrency:>5} | {b.tok_s:>10.1f} | {statistics.median(b.latencies_s):>10.2f} | "
+                f"{e.tok_s:>11.1f} | {e.tau or 0:>5.2f} | {e.tok_s / b.tok_s:>10.2f}")
+        if adaptive:
+            r = adaptive[i]
+            line += (f" | {r['policy_steps']:>5} | {r['predicted_tok_s']:>9.1f} | {r['adaptive_tok_s']:>8.1f} | "
+                     f"{r['prediction_error']:>+8.1%} | {r['adaptive_over_best_static']:>10.2f}")
+            if "eagle_off_tok_s" in r:
+                line += f" | {r['eagle_off_tok_s']:>9.1f} | {r['eagle_off_over_baseline']:>8.2f}"
+            line += f" | {r['faster_server']}"
+        lines.append(line)
+    return lines
+
+
+def _write_json(path: str, data: dict) -> None:
+    with open(path, "w") as fh:
+        json.dump(data, fh, indent=2)
+        fh.write("\n")
 
 
 def main(argv=None) -> int:
@@ -442,22 +634,28 @@ def main(argv=None) -> int:
         return 2
     out_dir = os.path.dirname(os.path.abspath(args.out))
     stem = os.path.splitext(os.path.basename(args.out))[0]
+    os.makedirs(out_dir, exist_ok=True)
 
     def report(line):
         print(line, flush=True)
+
+    def log_path(name):
+        return os.path.join(out_dir, f"{stem}.{name}.log")
 
     cmds = server_args(args)
     runs = {}
     try:
         for name in ("baseline", "eagle"):
-            runs[name] = measure(name, cmds[name], args, prompts, os.path.join(out_dir, f"{stem}.{name}.log"), report)
+            runs[name] = measure(name, cmds[name], args, prompts, log_path(name), report)
+        if args.measure_off:  # before the policy, which judges the steps-0 tier by it
+            off_path = os.path.join(out_dir, f"{stem}.off_config.json")
+            _write_json(off_path, OFF_CONFIG)
+            runs["eagle_off"] = measure("eagle_off", adaptive_server_args(args, off_path, 0), args, prompts,
+                                        log_path("eagle_off"), report, adaptive_env(args))
     except ServerError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
 
-    base_check, eagle_check = runs["baseline"]["check"], runs["eagle"]["check"]
-    rows = compare_outputs(base_check["output_ids"], eagle_check["output_ids"])
-    batch1 = compare_outputs([base_check["batch1_output_ids"]], [eagle_check["batch1_output_ids"]])[0]
     levels = {k: v["levels"] for k, v in runs.items()}
     eagle_tokens = sum(lv.output_tokens for lv in levels["eagle"])
     eagle_steps = sum(lv.verify_steps for lv in levels["eagle"])
@@ -471,33 +669,72 @@ def main(argv=None) -> int:
                   "(baseline step_s = B / tok_s, EAGLE step_s = B x tau / tok_s, B = concurrency)",
         "steps": cost_rows(levels, n),
         "configs": [{"n": n, "tau": min(max(tau, 1.0), n), "topk": args.topk, "label": label}],
-        "greedy_check": {"prompts": prompts, "max_new_tokens": args.check_len, "per_prompt": rows,
-                         "batch1": batch1, "all_equal": batch1["equal"] and all(r["equal"] for r in rows),
-                         "baseline_output_ids": base_check["output_ids"], "eagle_output_ids": eagle_check["output_ids"],
-                         "baseline_batch1_output_ids": base_check["batch1_output_ids"],
-                         "eagle_batch1_output_ids": eagle_check["batch1_output_ids"],
-                         "eagle_tau": eagle_check["tau"]},
-        "servers": {k: {"command": v["command"], "startup_s": v["startup_s"], "cpu_s": v["cpu_s"]}
-                    for k, v in runs.items()},
-        "levels": {k: [lv.as_dict() for lv in v] for k, v in levels.items()},
-        "settings": {"concurrency": args.concurrency, "rounds": args.rounds, "output_len": args.output_len},
+        "settings": {"concurrency": args.concurrency, "rounds": args.rounds, "output_len": args.output_len,
+                     "warmup": args.warmup},
     }
-    os.makedirs(out_dir, exist_ok=True)
-    with open(args.out, "w") as fh:
-        json.dump(result, fh, indent=2)
-        fh.write("\n")
+    _write_json(args.out, result)  # the policy reads the costs and the acceptance from this file
 
-    print(f"\n{'C':>5} | {'base tok/s':>10} | {'base p50 s':>10} | {'EAGLE tok/s':>11} | {'EAGLE p50 s':>11} | "
-          f"{'tau':>5} | EAGLE/base")
-    for b, e in zip(levels["baseline"], levels["eagle"]):
-        print(f"{b.concurrency:>5} | {b.tok_s:>10.1f} | {statistics.median(b.latencies_s):>10.2f} | {e.tok_s:>11.1f} | "
-              f"{statistics.median(e.latencies_s):>11.2f} | {e.tau or 0:>5.2f} | {e.tok_s / b.tok_s:.2f}")
-    equal = sum(r["equal"] for r in rows)
-    print(f"\ngreedy check over {args.check_len} tokens: batch {len(rows)}: {equal}/{len(rows)} prompts identical"
-          + ("" if equal == len(rows) else " (first differences at " + ", ".join(
-              str(r["first_difference"]) for r in rows if not r["equal"]) + ")")
-          + f"; batch 1: {'identical' if batch1['equal'] else 'first difference at ' + str(batch1['first_difference'])}")
+    predictions = adaptive = None
+    if not args.no_adaptive:
+        config, predictions = policy_config(args.out, max(args.concurrency), args.concurrency)
+        config_path = os.path.join(out_dir, f"{stem}.adaptive_config.json")
+        _write_json(config_path, config)
+        report(f"policy: --speculative-adaptive-config {config_path}: {json.dumps(config)}")
+        try:
+            runs["adaptive"] = measure("adaptive", adaptive_server_args(args, config_path,
+                                                                        config["1"]["candidate_steps"][0]),
+                                       args, prompts, log_path("adaptive"), report, adaptive_env(args))
+        except ServerError as exc:
+            print(f"error: {exc}", file=sys.stderr)
+            return 2
+        levels = {k: v["levels"] for k, v in runs.items()}
+        adaptive = adaptive_rows(levels, predictions)
+        result["adaptive"] = {
+            "config_path": config_path, "config": config, "skip_off_draft_extend": args.skip_off_draft_extend,
+            "per_concurrency": adaptive,
+            "predicted_tok_s_is": "the policy's tok/s for the adaptive server: the faster of its chain and its "
+                                  "drafting-off tier (at the eagle_off cost when measured, else the baseline's); "
+                                  "prediction_error = predicted / measured - 1"}
+
+    base_check = runs["baseline"]["check"]
+    greedy = {name: greedy_rows(base_check, run["check"]) for name, run in runs.items() if name != "baseline"}
+    result["greedy_check"] = {
+        "prompts": prompts, "max_new_tokens": args.check_len,
+        "all_equal": all(g["all_equal"] for g in greedy.values()),
+        "per_server": greedy,
+        "output_ids": {name: run["check"]["output_ids"] for name, run in runs.items()},
+        "batch1_output_ids": {name: run["check"]["batch1_output_ids"] for name, run in runs.items()},
+        "tau": {name: run["check"]["tau"] for name, run in runs.items()},
+    }
+    result["servers"] = {k: {"command": v["command"], "startup_s": v["startup_s"], "cpu_s": v["cpu_s"]}
+                         for k, v in runs.items()}
+    result["levels"] = {k: [lv.as_dict() for lv in v] for k, v in levels.items()}
+    _write_json(args.out, result)
+
+    print()
+    print("\n".join(format_table(levels, adaptive)))
+    if adaptive:
+        print("steps: the policy's choice for the adaptive server (0 = drafting off); predicted: its tok/s there; "
+              "pred err = predicted / adaptive - 1; adapt/best = adaptive / max(baseline, EAGLE)"
+              + ("; off: the EAGLE worker with drafting off (steps 0)" if args.measure_off else "")
+              + "; faster: the adaptive or a plain server, as the policy predicts")
+    print()
+    for name, g in greedy.items():
+        rows, batch1 = g["per_prompt"], g["batch1"]
+        equal = sum(r["equal"] for r in rows)
+        print(f"greedy check of {name} vs baseline over {args.check_len} tokens: batch {len(rows)}: "
+              f"{equal}/{len(rows)} prompts identical"
+              + ("" if equal == len(rows) else " (first differences at " + ", ".join(
+                  str(r["first_difference"]) for r in rows if not r["equal"]) + ")")
+              + f"; batch 1: {'identical' if batch1['equal'] else 'first difference at ' + str(batch1['first_difference'])}")
     print(f"tau over all levels: {tau:.2f} ({label})")
+    plot_path = os.path.join(out_dir, f"{stem}.png")
+    try:
+        write_plot(plot_path, levels, predictions and {c: p["predicted_tok_s"] for c, p in predictions.items()},
+                   result["description"])
+        print(f"plot -> {plot_path}")
+    except ImportError as exc:
+        print(f"plot skipped: {exc}")
     print(f"wrote {args.out}: python -m spec_kernels.policy --costs {args.out} --acceptance {args.out}")
     return 0 if result["greedy_check"]["all_equal"] else 1
 

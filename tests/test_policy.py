@@ -19,6 +19,7 @@ from spec_kernels.policy import (
     load_acceptance,
     load_costs,
     predict,
+    predict_adaptive,
     sglang_adaptive_config,
 )
 from spec_kernels.policy.model import break_even_tau
@@ -97,6 +98,36 @@ def test_policy_never_predicts_slower_than_the_better_of_baseline_and_eagle():
             steps = slots[max(k for k in slots if k <= B)][0]
             chosen = p.baseline if steps == 0 else p.eagle[next(c.name for c in chains if c.n - 1 == steps)]
             assert chosen == max([p.baseline] + [p.eagle[c.name] for c in chains])
+
+
+def test_drafting_off_is_judged_by_its_measured_cost():
+    # plain 10 ms/step, the EAGLE worker with drafting off 15 ms, a chain of 4 (tau 2) 25 ms:
+    # the chain beats drafting off (2 / 25 > 1 / 15) but not the plain server (2 / 25 < 1 / 10).
+    costs = model({1: 0.010, 64: 0.010}, {4: {1: 0.025, 64: 0.025}}, eagle_off=Curve({1: 0.015, 64: 0.015}))
+    chain = SpecConfig(4, 2.0)
+    p = predict_adaptive(costs, [chain], 8)
+    assert p.best == chain.name and p.off_measured
+    assert p.best_tok_s == pytest.approx(8 * 2 / 0.025) and p.off == pytest.approx(8 / 0.015)
+    assert p.plain == pytest.approx(8 / 0.010) and p.plain > p.best_tok_s  # a plain server is faster
+    assert predict(costs, [chain], 8).best == "baseline"  # the plain-server comparison is unchanged
+    assert sglang_adaptive_config(costs, [chain], 64) == {"1": {"candidate_steps": [3]}}
+    # without the measurement, drafting off is taken to cost a plain step: the config turns it off
+    plain_off = model({1: 0.010, 64: 0.010}, {4: {1: 0.025, 64: 0.025}})
+    assert not predict_adaptive(plain_off, [chain], 8).off_measured
+    assert sglang_adaptive_config(plain_off, [chain], 64) == {"1": {"candidate_steps": [0]}}
+
+
+def test_eagle_off_rows_load_from_a_cost_file(tmp_path):
+    doc = {"description": "t", "steps": [
+        {"mode": "baseline", "B": 1, "n": 1, "step_s": 0.01}, {"mode": "baseline", "B": 4, "n": 1, "step_s": 0.02},
+        {"mode": "eagle", "B": 1, "n": 4, "step_s": 0.03}, {"mode": "eagle_off", "B": 1, "n": 1, "step_s": 0.012},
+        {"mode": "eagle_off", "B": 4, "n": 1, "step_s": 0.03}]}
+    costs = load_costs(write(tmp_path / "c.json", doc))
+    assert costs.off_step_time(1) == pytest.approx(0.012) and costs.off_step_time(4) == pytest.approx(0.03)
+    assert costs.step_time(4) == pytest.approx(0.02)  # the plain server's curve is its own
+    doc["steps"].append({"mode": "eagle_off", "B": 2, "n": 4, "step_s": 0.02})
+    with pytest.raises(ValueError, match="eagle_off are n = 1"):
+        load_costs(write(tmp_path / "bad.json", doc))
 
 
 def test_interpolate_n_is_linear_between_decode_and_measured_sizes():

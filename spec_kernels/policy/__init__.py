@@ -13,6 +13,12 @@ decode step equals the concurrency):
   -> ``B * tau(n) / t_eagle(B, n)`` tok/s.
 * the policy at each B: whichever is fastest. It picks the max of the candidates' predictions, so
   it never predicts a configuration slower than the better of baseline and EAGLE.
+* an adaptive server (SGLang's ``--speculative-adaptive``: one server, chains only, drafting
+  switched per batch size) at each B: the fastest of its chains and its steps-0 tier. That tier
+  still runs SGLang's EAGLE worker (a 1-token verify, the draft's extend), so where the cost file
+  measured it (``eagle_off`` rows, ``serve_check --measure-off``) its cost is used, and the table
+  says where a plain server would beat the adaptive one; without it, drafting off is taken to cost
+  what plain decoding costs.
 
 What the step times contain is whatever the cost file says (see ``model.load_costs``):
 
@@ -42,6 +48,7 @@ baseline, the tau each configuration would need to tie baseline, SGLang's
 ``--speculative-adaptive-config`` JSON (see ``model.sglang_adaptive_config``) and a PNG plot.
 """
 from .model import (
+    AdaptivePrediction,
     AllReduceCost,
     CostModel,
     Curve,
@@ -50,10 +57,12 @@ from .model import (
     load_acceptance,
     load_costs,
     predict,
+    predict_adaptive,
     sglang_adaptive_config,
 )
 
 __all__ = [
+    "AdaptivePrediction",
     "AllReduceCost",
     "CostModel",
     "Curve",
@@ -62,5 +71,6 @@ __all__ = [
     "load_acceptance",
     "load_costs",
     "predict",
+    "predict_adaptive",
     "sglang_adaptive_config",
 ]

@@ -22,6 +22,7 @@ from .model import (
     load_acceptance,
     load_costs,
     predict,
+    predict_adaptive,
     sglang_adaptive_config,
 )
 
@@ -89,6 +90,19 @@ def format_table(costs: CostModel, configs: list[SpecConfig], concurrency: list[
         mark = "*" if B > costs.measured_max_B else " "
         row = f"{B:>4}{mark} | {_fmt(p.baseline):>{width}}" + "".join(f" | {_fmt(p.eagle[n]):>{width}}" for n in names)
         lines.append(row + f" | {p.best:<{width}} | {p.best_tok_s / p.baseline:.2f}")
+    return lines
+
+
+def format_adaptive(costs: CostModel, configs: list[SpecConfig], concurrency: list[int]) -> list[str]:
+    """The adaptive server per B: its tier, its tok/s (drafting off at the measured eagle_off cost),
+    a plain server's, and which of the two servers is faster."""
+    lines = [f"{'B':>5} | {'tier':>16} | {'adaptive':>9} | {'drafting off':>12} | {'plain':>9} | faster server"]
+    for B in concurrency:
+        p = predict_adaptive(costs, configs, B)
+        tier = "drafting off" if p.best == "off" else p.best
+        faster = "adaptive" if p.best_tok_s > p.plain else "plain"
+        lines.append(f"{B:>5} | {tier:>16} | {_fmt(p.best_tok_s):>9} | {_fmt(p.off):>12} | {_fmt(p.plain):>9} | "
+                     f"{faster} ({max(p.best_tok_s, p.plain) / min(p.best_tok_s, p.plain):.2f}x)")
     return lines
 
 
@@ -172,6 +186,11 @@ def main(argv=None) -> int:
     print("\nbreak-even tau (tau a config needs to tie baseline = its step time / the baseline step time;"
           " its own tau in brackets)")
     print("\n".join(format_break_even(costs, configs, concurrency)))
+
+    if costs.eagle_off is not None:
+        print("\nadaptive server (SGLang --speculative-adaptive, chains only; drafting off at its measured cost, "
+              "the eagle_off rows) vs a plain server")
+        print("\n".join(format_adaptive(costs, configs, concurrency)))
 
     os.makedirs(args.out_dir, exist_ok=True)
     config = sglang_adaptive_config(costs, configs, max_B)

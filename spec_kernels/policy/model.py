@@ -20,7 +20,11 @@ Cost input, either of two JSON files (both become rows {mode, B, n, step_s, ...}
   presets) still load, with ``CostModel.caveats`` saying so (the CLI prints a WARNING).
 * a hand-written cost file: ``{"description": "...", "steps": [{"mode": "baseline", "B": 1,
   "n": 1, "step_s": 0.0108}, ...]}``, step_s = seconds per whole decode step; other keys in a
-  row are kept for provenance (and ``--select``).
+  row are kept for provenance (and ``--select``). Such a file (``python -m spec_kernels.serve_check``
+  writes one) may also carry ``mode: "eagle_off"`` rows (n = 1): the step of SGLang's EAGLE worker
+  with drafting turned off by its adaptive mode (steps 0: a 1-token verify, and the draft's extend
+  unless skipped), which is what an adaptive server runs where the policy says "no speculation",
+  and is not the plain server's step.
 
 The tensor-parallel allreduce is not in a one-process decode-step measurement. With an
 `AllReduceCost` (latency + bytes / bandwidth per call, e.g. from benchmarks/test_allreduce_rmsnorm.py
@@ -44,7 +48,8 @@ from typing import Mapping, Optional, Sequence
 
 from ..bench.provenance import timing_caveats
 
-MODES = ("baseline", "eagle", "draft")
+MODES = ("baseline", "eagle", "draft", "eagle_off")
+ONE_TOKEN_MODES = ("baseline", "eagle_off")  # n = 1: one token per request per step
 
 
 class Curve:
@@ -82,6 +87,12 @@ class CostModel:
     description: str = ""
     draft_fixed_s: float = 0.0  # with interpolate_n: an EAGLE step's cost at n -> 1 is baseline + this
     caveats: list[str] = field(default_factory=list)  # why the measured times say nothing about a GPU
+    # SGLang's EAGLE worker with drafting off (adaptive steps 0); None: not measured, taken as baseline
+    eagle_off: Optional[Curve] = None
+
+    def off_step_time(self, B: float) -> float:
+        """The step of an adaptive server at steps 0: measured, or the plain server's when not."""
+        return (self.eagle_off(B) if self.eagle_off is not None else self.baseline(B)) + self.overhead_s
 
     @property
     def measured_max_B(self) -> int:
@@ -169,8 +180,8 @@ def load_costs(path: str, select: Optional[Mapping[str, str]] = None, overhead_s
         mode, B, n = r.get("mode"), int(r["B"]), int(r.get("n", 1))
         if mode not in MODES:
             raise ValueError(f"{path}: mode {mode!r} is not one of {MODES}")
-        if (mode == "baseline") != (n == 1):
-            raise ValueError(f"{path}: {mode} row with n={n} (baseline is n = 1, eagle/draft n >= 2)")
+        if (mode in ONE_TOKEN_MODES) != (n == 1):
+            raise ValueError(f"{path}: {mode} row with n={n} (baseline and eagle_off are n = 1, eagle/draft n >= 2)")
         key = (mode, B, n)
         if key in seen:
             other = seen[key]
@@ -191,8 +202,9 @@ def load_costs(path: str, select: Optional[Mapping[str, str]] = None, overhead_s
             if n not in eagle:
                 raise ValueError(f"{path}: draft costs for n={n} without eagle (verify) costs for it")
             eagle[n].append(Curve(pts))
+    off = Curve(points[("eagle_off", 1)]) if ("eagle_off", 1) in points else None
     return CostModel(Curve(points[("baseline", 1)]), eagle, overhead_s, interpolate_n, description, draft_fixed_s,
-                     caveats)
+                     caveats, off)
 
 
 @dataclass(frozen=True)
@@ -280,6 +292,37 @@ def crossovers(costs: CostModel, configs: Sequence[SpecConfig], max_B: int) -> d
     return result
 
 
+@dataclass(frozen=True)
+class AdaptivePrediction:
+    """An adaptive server (SGLang ``--speculative-adaptive``, chains only) at batch size B: each
+    chain's tok/s, the tok/s of its steps-0 tier (drafting off), the tier it should run, and how it
+    compares with a plain server."""
+
+    B: int
+    off: float  # tok/s with drafting off (the measured eagle_off step, else the plain server's)
+    eagle: dict[str, float]  # chain name -> tok/s
+    best: str  # "off" or a chain name
+    plain: float  # tok/s of a plain server (no EAGLE worker)
+    off_measured: bool
+
+    @property
+    def best_tok_s(self) -> float:
+        return self.off if self.best == "off" else self.eagle[self.best]
+
+
+def predict_adaptive(costs: CostModel, configs: Sequence[SpecConfig], B: int) -> AdaptivePrediction:
+    """The adaptive server's tiers at B (trees are left out: adaptive runs chains only); ties go
+    to drafting off."""
+    chains = [c for c in configs if c.sglang_steps is not None]
+    off = B / costs.off_step_time(B)
+    eagle = {c.name: B * c.tau / costs.step_time(B, c.n) for c in chains}
+    best, best_tok_s = "off", off
+    for name, tok_s in eagle.items():
+        if tok_s > best_tok_s:
+            best, best_tok_s = name, tok_s
+    return AdaptivePrediction(B, off, eagle, best, B / costs.step_time(B), costs.eagle_off is not None)
+
+
 def sglang_adaptive_config(costs: CostModel, configs: Sequence[SpecConfig], max_B: int) -> dict:
     """SGLang 0.5.23's --speculative-adaptive-config JSON for the policy over B = 1..max_B.
 
@@ -287,16 +330,17 @@ def sglang_adaptive_config(costs: CostModel, configs: Sequence[SpecConfig], max_
     slot; a batch of b requests (after SGLang pads b to a captured CUDA-graph batch size) uses the
     slot with the largest key <= b. A slot's ``candidate_steps`` are the speculative_num_steps the
     runtime may move between as it tracks acceptance; 0 turns drafting off. Adaptive mode needs
-    topk = 1, so only chains (and baseline) are candidates here, steps = n - 1. One candidate per
-    slot pins the model's choice; other knobs (ema_alpha, hysteresis, ...) keep SGLang's defaults.
+    topk = 1, so only chains (and drafting off) are candidates here, steps = n - 1. Drafting off is
+    judged by its measured cost (``eagle_off`` rows) where the cost file has them, else by the plain
+    server's. One candidate per slot pins the model's choice; other knobs (ema_alpha, hysteresis,
+    ...) keep SGLang's defaults.
     """
-    chains = [c for c in configs if c.sglang_steps is not None]
-    steps_of = {c.name: c.sglang_steps for c in chains}
+    steps_of = {c.name: c.sglang_steps for c in configs if c.sglang_steps is not None}
     config: dict[str, dict] = {}
     last = None
     for B in range(1, max_B + 1):
-        best = predict(costs, chains, B).best
-        steps = 0 if best == "baseline" else steps_of[best]
+        best = predict_adaptive(costs, configs, B).best
+        steps = 0 if best == "off" else steps_of[best]
         if steps != last:
             config[str(B)] = {"candidate_steps": [steps]}
             last = steps

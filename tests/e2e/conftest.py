@@ -25,7 +25,7 @@ import importlib.util
 import pytest
 
 import tiny_models
-from e2e_support import MAX_NEW_TOKENS, TIMINGS, ServerPool
+from e2e_support import MAX_NEW_TOKENS, SERVE_CHECK, TIMINGS, ServerPool
 
 
 def pytest_collection_modifyitems(config, items):
@@ -60,6 +60,11 @@ def pytest_terminal_summary(terminalreporter):
     if TIMINGS:
         terminalreporter.write_line("e2e servers (start-up wall s / CPU s of the server's processes): " + ", ".join(
             f"{name} {wall:.0f}/{cpu:.0f}" for name, (wall, cpu) in TIMINGS.items()))
+    if SERVE_CHECK:
+        terminalreporter.write_line(f"serve_check (tok/s, CPU): adaptive config {SERVE_CHECK['config']}; " + "; ".join(
+            f"C={r['concurrency']}: adaptive {r['adaptive_tok_s']:.1f} (predicted {r['predicted_tok_s']:.1f}), "
+            f"adaptive / max(baseline, EAGLE) {r['adaptive_over_best_static']:.2f}, "
+            f"drafting off / baseline {r.get('eagle_off_over_baseline', float('nan')):.2f}" for r in SERVE_CHECK["rows"]))
 
 
 @pytest.hookimpl(hookwrapper=True)

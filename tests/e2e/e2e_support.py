@@ -17,6 +17,8 @@ SABOTAGE_DIST_INFO = "specfused_e2e_sabotage-0.0.0.dist-info"
 
 # What each server cost, for the terminal summary: name -> (start-up wall s, CPU s of its processes).
 TIMINGS: dict[str, tuple[float, float]] = {}
+# What test_serve_check measured, for the terminal summary: the adaptive config and its rows.
+SERVE_CHECK: dict = {}
 
 
 def write_sabotage_dist_info(directory: str) -> None:
