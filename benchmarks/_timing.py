@@ -57,21 +57,32 @@ class Preset:
     rounds: int  # timed rounds per benchmark (after one warm-up round)
     stream_bytes: int  # buffer size of the streaming-bandwidth ceiling benchmark
     needs_gpu: bool
+    # The forced-split sweep (benchmarks/test_tree_verify.py::test_forced_splits): (B, L, n) shapes
+    # at the first heads pair, timed at the planned split count and at each of split_counts.
+    split_shapes: tuple[tuple[int, int, int], ...] = ()
+    split_counts: tuple[int, ...] = ()
 
+
+# The batches where the split planner's choice rests on the model's DRAM-latency assumption
+# (docs/speed_of_light.md): verify n = 16 at L = 4096, B = 1 / 8 / 32, against forced counts.
+SPLIT_SHAPES = ((1, 4096, 16), (8, 4096, 16), (32, 4096, 16))
+SPLIT_COUNTS = (1, 2, 4, 8, 16, 32)
 
 PRESETS = {
     p.name: p
     for p in (
         Preset("tiny", "float32", batch_sizes=(1, 3), prefix_lens=(64, 200), draft_counts=(1, 4, 16),
-               heads=((8, 2),), head_dim=64, rounds=3, stream_bytes=64 << 20, needs_gpu=False),
+               heads=((8, 2),), head_dim=64, rounds=3, stream_bytes=64 << 20, needs_gpu=False,
+               split_shapes=((3, 200, 4),), split_counts=(1, 4)),
         # Both ends of the targets' "GQA 4-8": Llama-3.3-70B at TP2 (32 q heads, 4 KV heads: GQA 8)
         # and Llama-3.1-8B unsharded (32 / 8: GQA 4). On an H200 mma.sync attention is expected to
         # be memory-bound at GQA 4 and compute-bound at GQA 8 (README, "Predicted").
         Preset("gpu-quick", "bfloat16", batch_sizes=(1, 32), prefix_lens=(4096, 32768), draft_counts=(1, 16, 64),
-               heads=((32, 4), (32, 8)), head_dim=128, rounds=5, stream_bytes=2 << 30, needs_gpu=True),
+               heads=((32, 4), (32, 8)), head_dim=128, rounds=5, stream_bytes=2 << 30, needs_gpu=True,
+               split_shapes=SPLIT_SHAPES, split_counts=SPLIT_COUNTS),
         Preset("gpu", "bfloat16", batch_sizes=(1, 8, 32, 64), prefix_lens=(1024, 4096, 16384, 32768),
                draft_counts=(1, 16, 32, 64), heads=((32, 4), (32, 8)), head_dim=128, rounds=10,
-               stream_bytes=2 << 30, needs_gpu=True),
+               stream_bytes=2 << 30, needs_gpu=True, split_shapes=SPLIT_SHAPES, split_counts=SPLIT_COUNTS),
     )
 }
 
@@ -203,6 +214,7 @@ def format_summary(rows: list[dict]) -> list[str]:
             f"{op} {_num(r['gbps'])} GB/s ({r['bytes'] / 2**30:.2f} GiB moved per call)" for op, r in stream.items()))
 
     lines += format_decode_steps(rows)
+    lines += format_split_sweep(rows, read_gbps)
     attn = [r for r in rows if r["kind"] == "attention"]
     if not attn:
         return lines
@@ -237,6 +249,37 @@ def format_summary(rows: list[dict]) -> list[str]:
             pct = 100 * r["gbps"] / read_gbps if read_gbps and r.get("gbps") else None
             line += _cells(_num(r["median_s"] * 1e6), _num(r.get("gbps")), _num(pct, ".1f"), _num(ratio, ".2f"))
         lines.append(line)
+    return lines
+
+
+def format_split_sweep(rows: list[dict], read_gbps: Optional[float] = None) -> list[str]:
+    """Per shape of the forced-split sweep: the time at the planner's count and at each forced
+    count, the model's time for each count where it was computed (GPU), and planned / fastest."""
+    shapes: dict[tuple, dict[int, dict]] = {}
+    for r in rows:
+        if r["kind"] == "split_sweep":
+            shapes.setdefault((r["impl"], r["B"], r["L"], r["n"], r["Hq"], r["Hkv"], r["D"], r["dtype"]), {})[r["forced"]] = r
+    if not shapes:
+        return []
+    lines = ["", "forced KV splits (tree verify through TreeVerifyPlan; us = measured median per call, model = the",
+             "  speed-of-light model's time at that count on this GPU, '-' without one; %rd = share of the",
+             "  streaming-read ceiling; * = the planner's count; planned / fastest = its time / the best measured)"]
+    for (impl, B, L, n, Hq, Hkv, D, dtype), by_forced in shapes.items():
+        planned = by_forced.get(0)
+        forced = sorted(k for k in by_forced if k)
+        lines.append(f"  {impl} B={B} L={L} n={n} Hq/Hkv={Hq}/{Hkv} D={D} {dtype}:")
+        for k in ([0] if planned else []) + forced:
+            r = by_forced[k]
+            pct = 100 * r["gbps"] / read_gbps if read_gbps and r.get("gbps") else None
+            model = r.get("modelled_s")
+            mark = "*" if planned and r["splits"] == planned["splits"] else " "
+            label = f"planned ({r['splits']})" if k == 0 else f"{k} splits"
+            lines.append(f"    {label:>13}{mark} {_num(r['median_s'] * 1e6):>9} us  {_num(r.get('gbps')):>7} GB/s "
+                         f"{_num(pct, '.1f'):>5} %rd  model {_num(model * 1e6 if model else None):>8} us")
+        if planned and forced:
+            best = min(by_forced.values(), key=lambda r: r["median_s"])
+            lines.append(f"    planned / fastest = {planned['median_s'] / best['median_s']:.3f} "
+                         f"(fastest: {best['splits']} splits)")
     return lines
 
 

@@ -24,6 +24,11 @@ head dim D = Dv; presets in benchmarks/_timing.py):
   query rows ([B, Hkv, n*group, D], what our kernel does too) rather than repeating K/V, so the
   anchor is not penalised for the head layout; the gather is timed, since the cache is paged.
 
+``test_forced_splits`` times our fastest kernel here through ``TreeVerifyPlan`` at the planner's
+KV split count and at forced counts (the preset's ``split_shapes`` x ``split_counts``), with the
+speed-of-light model's time for each count on a GPU (``spec_kernels.bench.plan``), so that a GPU
+run shows whether the planned count is the fastest.
+
 Inputs are random (never zeros), slot ids are a random permutation of the cache's slots, and a
 GPU round rotates over several disjoint input sets so that it streams >= 4x the L2 cache.
 Outputs are checked against the reference once per case (small cases) before timing.
@@ -289,6 +294,53 @@ def test_stream_bandwidth(benchmark, bench_results, op):
         call, nbytes = (lambda: dst.copy_(src)), 2 * src.nbytes
     info = _timing.measure(benchmark, [call], DEVICE, PRESET.rounds)
     _timing.record(benchmark, bench_results, nbytes, kind="stream", op=op, **info)
+
+
+# --------------------------------------------------------------------------- forced split counts
+# Our fastest kernel here (CUDA where it runs, else Triton) at the planned split count and at
+# forced ones, so a GPU run shows whether the planner's count is the fastest and where the
+# model's predicted time per count departs from the measured one.
+SPLIT_IMPL = next(i for i in ("cuda", "triton") if i in IMPLS)
+SPLIT_CASES = [Case(B, L, n, *PRESET.heads[0], PRESET.head_dim) for B, L, n in PRESET.split_shapes]
+
+
+def modelled_split_seconds(case: Case, splits: int) -> Optional[float]:
+    """The speed-of-light model's time of `case` at `splits` on this GPU (None on a CPU)."""
+    if DEVICE.type != "cuda":
+        return None
+    from spec_kernels.attention.plan import device_limits
+    from spec_kernels.bench.plan import Shape, launch_plan
+
+    lp = launch_plan(Shape("bench", case.B, case.Hq, case.Hkv, case.D, case.L, case.n),
+                     device_limits(DEVICE.index), SPLIT_IMPL)
+    return lp.seconds_at(splits)
+
+
+@pytest.mark.parametrize("case,forced", [pytest.param(c, k, id=f"{c.id}-{SPLIT_IMPL}-{'planned' if k == 0 else f'splits{k}'}")
+                                         for c in SPLIT_CASES for k in (0,) + PRESET.split_counts])
+def test_forced_splits(benchmark, bench_results, case, forced):
+    """tree_verify through TreeVerifyPlan with num_kv_splits = `forced` (0: the planner's count)."""
+    benchmark.group = f"forced splits: {case.group} n={case.n} {SPLIT_IMPL}"
+    inp = make_inputs(case, _timing.input_sets_for(case.bytes, DEVICE), need_dense_mask=False)
+    plans = [spec_kernels.TreeVerifyPlan(inp.kv_indptr, s.kv_indices, inp.qo_indptr, s.tree_mask,
+                                         num_q_heads=case.Hq, num_kv_heads=case.Hkv, head_dim=case.D,
+                                         dtype=case.q_dtype, max_draft_tokens=case.n,
+                                         num_kv_splits=forced or None, impl=SPLIT_IMPL) for s in inp.sets]
+    splits = plans[0].num_kv_splits
+    assert forced in (0, splits), f"forced {forced} splits, the plan has {splits}"
+    out = torch.empty(case.B * case.n, case.Hq, case.Dv, dtype=case.q_dtype, device=DEVICE)
+    if case.kv_rows <= CHECK_MAX_KV_ROWS:  # a wrong result is worth no timing
+        expected = torch.empty_like(out)
+        launcher("reference", case, inp, inp.sets[0], expected)()
+        plans[0].run(inp.sets[0].q, inp.k_cache, inp.v_cache, out=out)
+        tol = 1e-3 if case.q_dtype == torch.float32 else 2e-2
+        torch.testing.assert_close(out, expected, atol=tol, rtol=tol, msg=lambda m: f"{splits} splits vs reference: {m}")
+    calls = [(lambda p=p, s=s: p.run(s.q, inp.k_cache, inp.v_cache, out=out)) for p, s in zip(plans, inp.sets)]
+    info = _timing.measure(benchmark, calls, DEVICE, PRESET.rounds)
+    _timing.record(benchmark, bench_results, case.bytes, kind="split_sweep", op="tree_verify", impl=SPLIT_IMPL,
+                   B=case.B, L=case.L, n=case.n, Hq=case.Hq, Hkv=case.Hkv, D=case.D, Dv=case.Dv,
+                   dtype=case.dtype_label, forced=forced, splits=splits,
+                   modelled_s=modelled_split_seconds(case, splits), **info)
 
 
 @pytest.mark.parametrize("case,impl", [pytest.param(c, i, id=f"{c.id}-{i}") for c in CASES for i in IMPLS] +

@@ -113,6 +113,18 @@ def test_benchmark_shapes_take_the_cheapest_split(gpu, impl):
             assert p.limit in ("bandwidth", "compute"), (shape, p)
 
 
+@pytest.mark.parametrize("gpu", GPUS)
+def test_modelled_time_at_a_forced_count_is_the_planners_own(gpu):
+    """The forced-split benchmark's model column: at the planned count it is the plan's time, and
+    no count within the plan's bounds is modelled cheaper by more than the planner's tolerance."""
+    limits = ap.DEVICES[gpu]
+    for shape in bp.benchmark_shapes("tree-verify")[::7]:
+        lp = bp.launch_plan(shape, limits, "cuda")
+        assert lp.seconds_at(lp.plan.splits) == lp.plan.seconds, shape
+        cheapest = min(lp.seconds_at(k) for k in range(1, lp.plan.max_splits + 1))
+        assert lp.plan.seconds <= cheapest / (1 - ap.COST_TOLERANCE), shape
+
+
 def test_the_partials_are_weighed_against_the_waves():
     """A 128-row CTA (n = 16 at GQA 8) writes 64 KB of fp32 partials per split, half of what a
     256-key split reads: at B = 32 on the RTX PRO 6000 the wave rule split each request 10 ways

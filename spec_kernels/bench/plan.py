@@ -97,6 +97,10 @@ class LaunchPlan:
     prefix: int
     plan: SplitPlan
 
+    def seconds_at(self, splits: int) -> float:
+        """The cost model's time of this launch at `splits` (planned or forced)."""
+        return self.cost.seconds(self.plan.ctas, self.plan.per_sm, splits, self.prefix)
+
     def wave_rule(self) -> SplitPlan:
         """The plan without the bytes (wave efficiency alone), for comparison."""
         p = self.plan
