@@ -568,13 +568,9 @@ def policy_config(out_path: str, max_B: int, concurrency: Sequence[int]) -> tupl
 def write_plot(path: str, levels: dict[str, list[Level]], predictions: Optional[dict], title: str) -> None:
     """Output tok/s vs concurrency of every server measured and, given `predictions`
     (concurrency -> tok/s), the policy's prediction for the adaptive server."""
-    from ._extras import import_extra
+    from .policy.plot import save_throughput_figure, throughput_figure
 
-    matplotlib = import_extra("matplotlib", "bench", "serve_check's plot")
-    matplotlib.use("Agg")  # no display: files only
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(8, 5))
+    plt, fig, ax = throughput_figure("serve_check's plot")
     styles = {"baseline": ("black", "o", "baseline"), "eagle": ("tab:blue", "s", "EAGLE-3 static"),
               "adaptive": ("tab:green", "^", "adaptive (policy's config)"),
               "eagle_off": ("tab:red", "v", "EAGLE worker, drafting off")}
@@ -586,15 +582,7 @@ def write_plot(path: str, levels: dict[str, list[Level]], predictions: Optional[
         cs = sorted(predictions)
         ax.plot(cs, [predictions[c] for c in cs], color="0.6", ls="--", lw=2,
                 label="policy's prediction (adaptive)")
-    ax.set_xscale("log")
-    ax.set_xlabel("concurrency (closed loop)")
-    ax.set_ylabel("output tok/s")
-    ax.set_title(title, fontsize=9)
-    ax.grid(True, which="both", alpha=0.3)
-    ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    save_throughput_figure(plt, fig, ax, path, "concurrency (closed loop)", title)
 
 
 def format_table(levels: dict[str, list[Level]], adaptive: Optional[list[dict]]) -> list[str]:

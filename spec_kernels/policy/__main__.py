@@ -11,7 +11,7 @@ import json
 import os
 import sys
 
-from .._extras import MissingExtraError, import_extra
+from .._extras import MissingExtraError
 from ..bench.provenance import caveat_warning
 from .model import (
     AllReduceCost,
@@ -25,6 +25,7 @@ from .model import (
     predict_adaptive,
     sglang_adaptive_config,
 )
+from .plot import save_throughput_figure, throughput_figure
 
 CONFIG_FILE = "sglang_adaptive_config.json"
 PLOT_FILE = "throughput.png"
@@ -128,28 +129,16 @@ def format_break_even(costs: CostModel, configs: list[SpecConfig], concurrency: 
 
 
 def write_plot(path: str, costs: CostModel, configs: list[SpecConfig], max_B: int, title: str) -> None:
-    matplotlib = import_extra("matplotlib", "bench", "the policy's plot")
-    matplotlib.use("Agg")  # no display: files only
-    import matplotlib.pyplot as plt
-
     bs = list(range(1, max_B + 1))
     preds = [predict(costs, configs, B) for B in bs]
-    fig, ax = plt.subplots(figsize=(8, 5))
+    plt, fig, ax = throughput_figure("the policy's plot")
     ax.plot(bs, [p.best_tok_s for p in preds], color="0.8", lw=7, zorder=0, label="policy (the best)")
     ax.plot(bs, [p.baseline for p in preds], color="black", lw=2, label="baseline")
     for c in configs:
         ax.plot(bs, [p.eagle[c.name] for p in preds], lw=1.5, label=f"EAGLE {c.name} (tau {c.tau:g})")
     measured = [b for b in costs.baseline.bs if b <= max_B]
     ax.plot(measured, [b / costs.step_time(b) for b in measured], "ko", ms=4, label="measured B")
-    ax.set_xscale("log")
-    ax.set_xlabel("concurrency = batch size B (closed loop)")
-    ax.set_ylabel("output tok/s")
-    ax.set_title(title, fontsize=9)
-    ax.grid(True, which="both", alpha=0.3)
-    ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    save_throughput_figure(plt, fig, ax, path, "concurrency = batch size B (closed loop)", title)
 
 
 def main(argv=None) -> int:

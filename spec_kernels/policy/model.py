@@ -262,12 +262,17 @@ def predict(costs: CostModel, configs: Sequence[SpecConfig], B: int) -> Predicti
     """Throughput of baseline and of each config at batch size B, and the fastest (ties go to
     baseline, the simpler server)."""
     base = B / costs.step_time(B)
-    eagle = {c.name: B * c.tau / costs.step_time(B, c.n) for c in configs}
-    best, best_tok_s = "baseline", base
-    for name, tok_s in eagle.items():
-        if tok_s > best_tok_s:
-            best, best_tok_s = name, tok_s
+    eagle, best = _fastest(costs, configs, B, "baseline", base)
     return Prediction(B, base, eagle, best)
+
+
+def _fastest(costs: CostModel, configs: Sequence[SpecConfig], B: int, plain: str, plain_tok_s: float
+             ) -> tuple[dict[str, float], str]:
+    """Each config's tok/s at B and the fastest of them and the tier without drafting (`plain`,
+    at `plain_tok_s`), which wins ties."""
+    eagle = {c.name: B * c.tau / costs.step_time(B, c.n) for c in configs}
+    best = max(eagle, key=eagle.get, default=None)
+    return eagle, best if best is not None and eagle[best] > plain_tok_s else plain
 
 
 def break_even_tau(costs: CostModel, config: SpecConfig, B: int) -> float:
@@ -315,11 +320,7 @@ def predict_adaptive(costs: CostModel, configs: Sequence[SpecConfig], B: int) ->
     to drafting off."""
     chains = [c for c in configs if c.sglang_steps is not None]
     off = B / costs.off_step_time(B)
-    eagle = {c.name: B * c.tau / costs.step_time(B, c.n) for c in chains}
-    best, best_tok_s = "off", off
-    for name, tok_s in eagle.items():
-        if tok_s > best_tok_s:
-            best, best_tok_s = name, tok_s
+    eagle, best = _fastest(costs, chains, B, "off", off)
     return AdaptivePrediction(B, off, eagle, best, B / costs.step_time(B), costs.eagle_off is not None)
 
 
