@@ -129,9 +129,9 @@ def format_break_even(costs: CostModel, configs: list[SpecConfig], concurrency: 
 
 
 def write_plot(path: str, costs: CostModel, configs: list[SpecConfig], max_B: int, title: str) -> None:
+    plt, fig, ax = throughput_figure("the policy's plot")
     bs = list(range(1, max_B + 1))
     preds = [predict(costs, configs, B) for B in bs]
-    plt, fig, ax = throughput_figure("the policy's plot")
     ax.plot(bs, [p.best_tok_s for p in preds], color="0.8", lw=7, zorder=0, label="policy (the best)")
     ax.plot(bs, [p.baseline for p in preds], color="black", lw=2, label="baseline")
     for c in configs:
