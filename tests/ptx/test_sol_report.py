@@ -28,7 +28,7 @@ def test_report_on_the_quick_shapes(tmp_path, capsys):
     anchors = {}
     for b in doc["benchmarks"]:
         kernel = b["name"].split("[")[0]
-        if kernel != "sol::tree_verify_cuda":
+        if kernel not in ("sol::tree_verify_cuda", "sol::mla_tree_verify_cuda"):
             anchors[(kernel, b["params"]["gpu"], b["params"]["shape"])] = b["extra_info"]
     gpus = ("h200", "rtx-pro-6000")
     decode_shape, verify_shape = "decode_B32_L4096_h32x4_d128", "verify16_B32_L4096_h32x4_d128"
@@ -57,6 +57,23 @@ def test_report_on_the_quick_shapes(tmp_path, capsys):
     wave = cuda[("rtx-pro-6000", verify_shape)]["split_check"]
     assert wave["wave_rule_splits"] > 1 and wave["wave_rule_seconds"] / wave["best_seconds"] > 1.3, wave
     assert "split sizing" in text
+    # MLA verify n = 16 of DeepSeek-V3 (16 heads per rank), L = 4k: with the GPU full (B = 32) the
+    # H200 is bound on shared memory (ldmatrix re-reads Q and K per warp) below its mma.sync peak,
+    # the RTX PRO 6000 (a quarter of the tensor rate per SM-clock) on the tensor unit; B = 1 leaves
+    # most SMs idle; the planner's split count is within 6% of the model's fastest
+    mla = {(b["params"]["gpu"], b["params"]["shape"]): b["extra_info"] for b in doc["benchmarks"]
+           if b["name"].startswith("sol::mla_tree_verify_cuda")}
+    assert set(mla) == {(g, f"mla_verify16_B{B}_L4096_h16_d576") for g in gpus for B in (1, 32)}
+    full = {g: mla[(g, "mla_verify16_B32_L4096_h16_d576")] for g in gpus}
+    assert full["rtx-pro-6000"]["bottleneck"] == "tensor" and full["rtx-pro-6000"]["mma_fraction"] > 0.5
+    assert full["h200"]["bottleneck"] in ("shared memory", "issue", "tensor")
+    for g in gpus:
+        one = mla[(g, "mla_verify16_B1_L4096_h16_d576")]
+        assert one["mma_fraction"] < full[g]["mma_fraction"] and one["splits"] > 1
+        assert full[g]["floor_unit"] == "tensor" and 0 < full[g]["of_floor"] <= 1.0
+        for info in (one, full[g]):
+            assert info["split_check"]["planned_over_best"] <= 1.06, (g, info["split_check"])
+    assert "MLA verify" in text
     lo, hi = verify["extra_info"]["expected_seconds_on_gpu"]
     assert lo > verify["stats"]["median"] and hi > lo
     assert bench_main(["compare", str(out), str(out)]) == 0

@@ -32,7 +32,7 @@ import json
 import math
 import os
 import sys
-from typing import Optional
+from typing import Optional, Sequence
 
 from tools.speed_of_light.gpus import GPUS, Gpu
 from tools.speed_of_light.model import (CALIBRATION_BAND, Prediction, Work, combine, expected_range, fit_linear,
@@ -42,6 +42,8 @@ REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 D = 128
 SIM_PREFIXES = (128, 256)  # prefix keys of the two simulated points per configuration
 MERGE_SPLITS = (2, 4)
+# resident CTAs per SM of a split merge (small blocks, no shared memory: its registers are not counted)
+MERGE_RESIDENT = 8
 
 
 @dataclasses.dataclass(frozen=True)
@@ -76,6 +78,44 @@ def shapes(quick: bool) -> list[Shape]:
         return [Shape(32, 4096, 1, 32, 4), Shape(32, 4096, 16, 32, 4)]
     return [Shape(B, L, n, hq, hkv) for (hq, hkv) in ((32, 4), (32, 8)) for B in (1, 32) for L in (4096, 32768)
             for n in (1, 4, 8, 16)]
+
+
+MLA_D, MLA_DV = 576, 512  # the latent row (512 + 64 rope) and the value columns the CUDA kernel is built for
+
+
+@dataclasses.dataclass(frozen=True)
+class MlaShape:
+    """An MLA verify (decode: n = 1) launch: B requests of L keys (prefix + drafts), n drafts of
+    `heads` query heads each, one latent KV row of MLA_D per key."""
+
+    B: int
+    L: int
+    n: int
+    heads: int
+
+    @property
+    def label(self) -> str:
+        kind = "decode" if self.n == 1 else f"verify{self.n}"
+        return f"mla_{kind}_B{self.B}_L{self.L}_h{self.heads}_d{MLA_D}"
+
+    @property
+    def rows(self) -> int:  # query rows per request
+        return self.n * self.heads
+
+    def ideal_bytes(self, elt: int = 2) -> float:
+        """Every latent row once, q read and out written."""
+        return self.B * self.L * MLA_D * elt + self.B * self.rows * (MLA_D + MLA_DV) * elt
+
+    def ideal_flops(self) -> float:
+        return 2 * self.B * self.rows * self.L * (MLA_D + MLA_DV)
+
+
+def mla_shapes(quick: bool) -> list[MlaShape]:
+    """DeepSeek-V3 (16 heads per rank at TP 8) and Kimi K2.5 (8) at B = 1 and 32, L = 4k and 32k,
+    decode and verify n = 4, 8, 16; --quick: DeepSeek-V3's verify n = 16 at L = 4k, B = 1 and 32."""
+    if quick:
+        return [MlaShape(1, 4096, 16, 16), MlaShape(32, 4096, 16, 16)]
+    return [MlaShape(B, L, n, h) for h in (16, 8) for B in (1, 32) for L in (4096, 32768) for n in (1, 4, 8, 16)]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -132,6 +172,27 @@ class Simulator:
             return work_from_stats(st.as_dict(), int(math.prod(grid)))
         return self._cached(("cuda-merge", arch, n, group, splits), make)
 
+    def mla(self, arch: str, n: int, heads: int, prefix: int) -> tuple[Work, float, dict]:
+        """One request's MLA launch at `prefix` keys: (Work per CTA, distinct DRAM bytes of the
+        launch: its row blocks read the same latent rows, launch shape)."""
+        def make():
+            ops = self._run_mla(arch, n, heads, prefix, splits=1)
+            name, grid, block, smem, st = ops.launches[0]
+            d = st.as_dict()
+            distinct = sum(d["unique_bytes_read_by_buffer"].values()) + sum(d["unique_bytes_written_by_buffer"].values())
+            return (work_from_stats(d, int(math.prod(grid))), float(distinct),
+                    dict(grid=list(grid), block=list(block), smem=smem))
+        return self._cached(("mla", arch, n, heads, prefix), make)
+
+    def mla_merge(self, arch: str, n: int, heads: int, splits: int) -> Work:
+        def make():
+            ops = self._run_mla(arch, n, heads, 64 * splits, splits=splits)
+            name, grid, block, smem, st = ops.launches[-1]
+            if not name.startswith("mla_merge"):
+                raise RuntimeError(f"expected the MLA split merge as the last launch, got {name}")
+            return work_from_stats(st.as_dict(), int(math.prod(grid)))
+        return self._cached(("mla-merge", arch, n, heads, splits), make)
+
     def triton(self, target: TritonTarget, kernel: str, *key) -> list:
         """The launches of one Triton run (`_TRITON_RUNS[kernel](*key)`) for `target`, as
         (Work per CTA, distinct DRAM bytes of the launch, launch shape) per launch."""
@@ -154,6 +215,38 @@ class Simulator:
         case = make_case([n], [prefix], dtype=torch.bfloat16, seed=1, hq=group, hkv=1, d=D)
         ops = PtxCudaOps(arch=arch, check_races=False)
         run_tree_verify(case, ops, decode=n == 1, splits=splits)
+        return ops
+
+
+    @staticmethod
+    def _run_mla(arch, n, heads, prefix, splits):
+        """A chain of n drafts (decode: n = 1 without a tree) after `prefix` keys, through the real
+        binding (spec_kernels.mla.cuda) with its ops in the interpreter."""
+        import torch
+
+        import spec_kernels.mla.cuda as mla_cuda
+        from spec_kernels.testing import ancestor_mask_bits, random_parents
+        from tools.ptx_harness.cuda_glue import PtxCudaOps
+
+        gen = torch.Generator().manual_seed(1)
+        L = prefix + n
+        decode = n == 1
+        q = torch.randn(n, heads, MLA_D, generator=gen).to(torch.bfloat16)
+        kv_cache = torch.randn(L, MLA_D, generator=gen).to(torch.bfloat16)
+        qo_indptr = torch.tensor([0, n], dtype=torch.int32)
+        mask = ancestor_mask_bits(torch.tensor(random_parents(n, "chain", gen)), qo_indptr)
+        out = torch.empty(n, heads, MLA_DV, dtype=torch.bfloat16)
+        ops = PtxCudaOps(arch=arch, check_races=False)
+        saved = mla_cuda.cuda_ops
+        mla_cuda.cuda_ops = lambda: ops
+        try:
+            mla_cuda.mla_tree_verify_attention(q, kv_cache, torch.tensor([0, L], dtype=torch.int32),
+                                               torch.randperm(L, generator=gen).to(torch.int32),
+                                               None if decode else qo_indptr, None if decode else mask,
+                                               MLA_D ** -0.5, MLA_DV, out, torch.empty(n, heads),
+                                               num_kv_splits=splits)
+        finally:
+            mla_cuda.cuda_ops = saved
         return ops
 
 
@@ -343,7 +436,7 @@ def triton_ours(sim: Simulator, gpu: Gpu, s: Shape) -> dict:
     if sp.splits > 1:
         m0, m1 = (sim.triton(t, "ours_triton", s.n, s.group, 64 * k, k)[-1][0] for k in MERGE_SPLITS)
         parts.append(predict(gpu, fit_linear(MERGE_SPLITS[0], m0, MERGE_SPLITS[1], m1, sp.splits), s.B * s.n * s.hq,
-                             8, ideal_bytes=0.0))
+                             MERGE_RESIDENT, ideal_bytes=0.0))
     return {"tree_verify_triton": dict(_anchor(gpu, s, parts, ctas), config=cfg, splits=sp.splits, target=t.note)}
 
 
@@ -362,7 +455,7 @@ def predict_ours(sim: Simulator, gpu: Gpu, s: Shape, block_m: int, res, splits: 
     if splits > 1:
         m0, m1 = (sim.merge(gpu.arch, s.n, s.group, k) for k in MERGE_SPLITS)
         mw = fit_linear(MERGE_SPLITS[0], m0, MERGE_SPLITS[1], m1, splits)
-        parts.append(predict(gpu, mw, s.B * s.n * s.hq, 8, ideal_bytes=0.0))
+        parts.append(predict(gpu, mw, s.B * s.n * s.hq, MERGE_RESIDENT, ideal_bytes=0.0))
     total = combine(parts, ideal_bytes=s.ideal_bytes(), gpu=gpu, ideal_flops=s.ideal_flops())
     return total, parts, cfg, ctas
 
@@ -393,6 +486,64 @@ def model_shape(sim: Simulator, gpu: Gpu, s: Shape, with_anchor: bool = True) ->
                 anchors={**triton_ours(sim, gpu, s), **sglang_anchor(sim, gpu, s)} if with_anchor else {})
 
 
+def mla_launch_plan(gpu: Gpu, s: MlaShape):
+    """The MLA launch of shape `s` on `gpu` as spec_kernels.mla.cuda plans it."""
+    from spec_kernels.attention.plan import DEVICES
+    from spec_kernels.bench import plan as bench_plan
+
+    shape = bench_plan.Shape(s.label, s.B, s.heads, 1, MLA_D, s.L - s.n, s.n, mla=True)
+    return bench_plan.launch_plan(shape, DEVICES[gpu.key], "cuda")
+
+
+def mma_fraction(gpu: Gpu, flops: float, seconds: float) -> float:
+    """Useful FLOPs per second over the GPU's mma.sync peak (16-bit inputs, fp32 accumulate)."""
+    return flops / (seconds * gpu.tensor_flops_per_clk("bf16") * gpu.sms * gpu.clock_hz) if seconds else 0.0
+
+
+def predict_mla(sim: Simulator, gpu: Gpu, s: MlaShape, res, splits: int) -> tuple[Prediction, list, dict, int]:
+    """The CUDA MLA launch of shape `s` at `splits` KV splits: (the whole op's prediction, its
+    launches, the simulated launch shape, CTAs). A request's row blocks read the same latent rows
+    (one DRAM read, the rest L2 hits): the launch's DRAM bytes are B x splits x one request-split's
+    distinct bytes."""
+    from spec_kernels.attention.plan import DEVICES, resident_ctas_per_sm
+
+    p0, p1 = SIM_PREFIXES
+    (w0, u0, cfg), (w1, u1, _) = sim.mla(gpu.arch, s.n, s.heads, p0), sim.mla(gpu.arch, s.n, s.heads, p1)
+    keys = (s.L - s.n) / splits
+    ctas = s.B * cfg["grid"][0] * splits  # grid[0]: row blocks of one request
+    parts = [predict(gpu, fit_linear(p0, w0, p1, w1, keys), ctas, resident_ctas_per_sm(res, DEVICES[gpu.key]),
+                     ideal_bytes=s.ideal_bytes(), ideal_flops=s.ideal_flops(),
+                     launch_dram_bytes=_distinct(u0, u1, p0, p1, keys) * s.B * splits)]
+    if splits > 1:
+        m0, m1 = (sim.mla_merge(gpu.arch, s.n, s.heads, k) for k in MERGE_SPLITS)
+        parts.append(predict(gpu, fit_linear(MERGE_SPLITS[0], m0, MERGE_SPLITS[1], m1, splits), s.B * s.rows,
+                             MERGE_RESIDENT, ideal_bytes=0.0))
+    total = combine(parts, ideal_bytes=s.ideal_bytes(), gpu=gpu, ideal_flops=s.ideal_flops())
+    return total, parts, cfg, ctas
+
+
+def model_mla_shape(sim: Simulator, gpu: Gpu, s: MlaShape) -> dict:
+    """The MLA launch as planned, the model's time at every split count its bounds allow, and the
+    fraction of the mma.sync peak its useful FLOPs reach."""
+    from spec_kernels.attention.plan import DEVICES, resident_ctas_per_sm
+
+    lp = mla_launch_plan(gpu, s)
+    sp = lp.plan
+    total, parts, cfg, ctas = predict_mla(sim, gpu, s, lp.kernel, sp.splits)
+    times = {k: predict_mla(sim, gpu, s, lp.kernel, k)[0].seconds for k in range(1, sp.max_splits + 1)}
+    best = min(times, key=times.get)
+    return dict(shape=s.label, gpu=gpu.key, block_m=lp.block_m, splits=sp.splits, split_limit=sp.limit,
+                split_check=dict(best_splits=best, best_seconds=times[best], planned_over_best=times[sp.splits] / times[best]),
+                resident=resident_ctas_per_sm(lp.kernel, DEVICES[gpu.key]), ctas=ctas, prediction=total,
+                launches=parts, config=cfg, bandwidth=s.ideal_bytes() / total.seconds, ideal_bytes=s.ideal_bytes(),
+                mma_fraction=mma_fraction(gpu, s.ideal_flops(), total.seconds))
+
+
+def run_mla(gpus: list[str], quick: bool) -> list[dict]:
+    sim = Simulator()
+    return [model_mla_shape(sim, GPUS[g], s) for g in gpus for s in mla_shapes(quick)]
+
+
 def run(gpus: list[str], quick: bool, anchor: bool = True) -> list[dict]:
     sim = Simulator()
     return [model_shape(sim, GPUS[g], s, anchor) for g in gpus for s in shapes(quick)]
@@ -406,11 +557,15 @@ ANCHORS = {
 }
 
 
-def print_table(rows: list[dict]) -> None:
+def print_header() -> None:
     lo, hi = CALIBRATION_BAND
     print("modelled (speed-of-light model, not measured); floor = ideal bytes at peak DRAM bandwidth")
     print(f"error band (tools/ptx_harness/calibration.py): on a GPU expect {1 / hi:.2f}x (memory-bound) .. "
           f"{1 / lo:.2f}x (compute-bound) the modelled time")
+
+
+def print_table(rows: list[dict]) -> None:
+    print_header()
     print(f"{'gpu':<13} {'shape':<34} {'rows/CTA':>8} {'splits':>6} {'CTAs':>6} {'time':>10} {'GB/s':>7}"
           f" {'floor/t':>7}  bottleneck (unit times)")
     for r in rows:
@@ -442,10 +597,21 @@ def print_table(rows: list[dict]) -> None:
             print(f"{r['gpu']:<13} {r['shape']:<34} {a['ctas']:>6} {fmt_seconds(p.seconds):>10} "
                   f"{a['bandwidth'] / 1e9:>7.0f} {p.of_floor:>7.2f} "
                   f"{p.seconds / r['prediction'].seconds:>13.2f}  {p.bottleneck} ({units})")
-    for key in sorted({r["gpu"] for r in rows}):
-        assumed = GPUS[key].assumed
-        if assumed:
-            print(f"{key}: rates without a public source (assumed): {', '.join(assumed)}")
+
+
+def print_mla_table(rows: list[dict]) -> None:
+    print("\nMLA verify (mla_tree_verify_cuda; modelled): floor = the larger of the ideal bytes at peak DRAM "
+          "bandwidth and the useful FLOPs at the mma.sync peak; mma = useful FLOP/s / mma.sync peak; "
+          "x best = time at the planned split count / at the model's fastest")
+    print(f"{'gpu':<13} {'shape':<34} {'rows/CTA':>8} {'splits':>6} {'CTAs':>6} {'time':>10} {'GB/s':>7}"
+          f" {'mma':>5} {'floor/t':>7} {'x best':>6} {'fastest':>7}  bottleneck (unit times)")
+    for r in rows:
+        p: Prediction = r["prediction"]
+        c = r["split_check"]
+        units = ", ".join(f"{u} {fmt_seconds(t)}" for u, t in sorted(p.units.items(), key=lambda kv: -kv[1])[:3])
+        print(f"{r['gpu']:<13} {r['shape']:<34} {r['block_m']:>8} {r['splits']:>6} {r['ctas']:>6} "
+              f"{fmt_seconds(p.seconds):>10} {r['bandwidth'] / 1e9:>7.0f} {r['mma_fraction']:>5.2f} {p.of_floor:>7.2f} "
+              f"{c['planned_over_best']:>6.3f} {c['best_splits']:>7}  {p.bottleneck} ({units})")
 
 
 def _entry(kernel: str, r: dict, seconds: float, extra: dict) -> dict:
@@ -457,7 +623,7 @@ def _entry(kernel: str, r: dict, seconds: float, extra: dict) -> dict:
                            "expected_seconds_on_gpu": list(expected_range(seconds)), **extra}}
 
 
-def to_benchmark_json(rows: list[dict]) -> dict:
+def to_benchmark_json(rows: list[dict], mla_rows: Sequence[dict] = ()) -> dict:
     from tools.ptx_harness.report import _commit
 
     benches = []
@@ -474,6 +640,13 @@ def to_benchmark_json(rows: list[dict]) -> dict:
                 "bottleneck": ap.bottleneck, "of_floor": ap.of_floor, "units": ap.units, "ctas": a["ctas"],
                 "gbps": a["bandwidth"] / 1e9, "cuda_faster_by": ap.seconds / p.seconds, "compiled_for": a["target"],
                 "launch": a["config"], **({"splits": a["splits"]} if "splits" in a else {})}))
+    for r in mla_rows:
+        p = r["prediction"]
+        benches.append(_entry("mla_tree_verify_cuda", r, p.seconds, {
+            "bottleneck": p.bottleneck, "of_floor": p.of_floor, "floor_unit": p.floor_unit, "units": p.units,
+            "splits": r["splits"], "ctas": r["ctas"], "block_m": r["block_m"], "resident": r["resident"],
+            "gbps": r["bandwidth"] / 1e9, "mma_fraction": r["mma_fraction"], "split_limit": r["split_limit"],
+            "split_check": r["split_check"], "bytes": r["ideal_bytes"], "calibration_band": list(CALIBRATION_BAND)}))
     return {"machine_info": {"node": "speed-of-light model", "note": "modelled from interpreter counters"},
             "commit_info": _commit(), "benchmarks": benches,
             "datetime": datetime.datetime.now(datetime.timezone.utc).isoformat(), "version": "sol"}
@@ -485,17 +658,30 @@ def main(argv: Optional[list[str]] = None) -> int:
     ap.add_argument("--quick", action="store_true", help="two shapes per GPU (about a minute)")
     ap.add_argument("--json", help="write pytest-benchmark-compatible JSON here")
     ap.add_argument("--no-anchor", action="store_true", help="leave out the kernels beside ours (our Triton, SGLang's)")
+    ap.add_argument("--family", default="gqa,mla", help="comma-separated: gqa (tree verify / decode), mla")
     args = ap.parse_args(argv)
+    families = {f.strip() for f in args.family.split(",") if f.strip()}
+    if not families or families - {"gqa", "mla"}:
+        ap.error(f"--family: choose from gqa, mla; got {args.family!r}")
     gpus = [g.strip() for g in args.gpu.split(",") if g.strip()]
     unknown = [g for g in gpus if g not in GPUS or g == "a100"]
     if unknown:
         ap.error(f"--gpu: unknown or calibration-only {unknown}; choose from h200, rtx-pro-6000")
-    rows = run(gpus, args.quick, not args.no_anchor)
-    print_table(rows)
+    rows = run(gpus, args.quick, not args.no_anchor) if "gqa" in families else []
+    mla_rows = run_mla(gpus, args.quick) if "mla" in families else []
+    if rows:
+        print_table(rows)
+    else:
+        print_header()
+    if mla_rows:
+        print_mla_table(mla_rows)
+    for key in gpus:
+        if GPUS[key].assumed:
+            print(f"{key}: rates without a public source (assumed): {', '.join(GPUS[key].assumed)}")
     if args.json:
         os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
         with open(args.json, "w") as f:
-            json.dump(to_benchmark_json(rows), f, indent=1)
+            json.dump(to_benchmark_json(rows, mla_rows), f, indent=1)
         print(f"wrote {args.json}")
     return 0
 
