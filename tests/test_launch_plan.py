@@ -203,7 +203,7 @@ def test_split_bounds_min_chunk_and_cap():
     # the cap (the fewest splits within the tolerance of the best: 63 of 64 on 264 slots)
     assert ap.plan(1, 264, 2, 10**6).splits >= ap.MAX_KV_SPLITS * (1 - ap.EFFICIENCY_TOLERANCE)
     assert ap.plan(1, 264, 2, 10**6).limit == "cap"
-    assert ap.plan(1, 264, 2, 2048).splits == 8 and ap.plan(1, 264, 2, 2048).limit == "keys"
+    assert ap.plan(1, 264, 2, 2048).splits == 2048 // ap.MIN_SPLIT_KEYS and ap.plan(1, 264, 2, 2048).limit == "keys"
     assert ap.plan(10_000, 264, 2, 10**6).splits <= 2  # many waves already: no (or few) splits
 
 
@@ -218,7 +218,8 @@ def test_named_device_limits_without_a_gpu(monkeypatch):
     monkeypatch.setattr(ap, "sm_count", lambda index: 132)
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     fake = type("Dev", (), {"type": "cuda", "index": 0})()
-    assert ap.num_kv_splits(fake, 1, 1, 8, 64, tv_cuda.cuda_tree_verify_resources(128), 2047) == 7
+    splits = ap.num_kv_splits(fake, 1, 1, 8, 64, tv_cuda.cuda_tree_verify_resources(128), 2047)
+    assert splits == 2047 // ap.MIN_SPLIT_KEYS  # one CTA: as many splits as the keys allow
     assert ap.num_kv_splits(fake, 1, 1, 8, 64, lambda limits: tv_cuda.cuda_tree_verify_resources(128), None) >= 62
 
 

@@ -18,8 +18,9 @@ KV splits. One CTA streams one split of a request's prefix for one (KV head, row
 count s costs, in seconds (:class:`SplitCost`, the speed-of-light report's model reduced to the
 terms the split count moves):
 
-* the stream: max(DRAM, latency, compute). DRAM: every CTA's K/V bytes plus, with s > 1, its
-  fp32 partial output, at the GPU's DRAM bandwidth. Latency: the busiest SM runs
+* the stream: max(DRAM, latency, compute). DRAM: the K/V bytes of every (request, KV head) once
+  (its row blocks' CTAs run side by side and read the same rows: one DRAM read, the rest L2 hits)
+  plus, with s > 1, every CTA's fp32 partial output, at the GPU's DRAM bandwidth. Latency: the busiest SM runs
   k = ceil(ctas x s / SMs) CTAs, min(k, resident per SM) at a time, and one CTA streams no faster
   than its bytes in flight (its shared-memory stages) per DRAM latency (Little's law). Compute:
   those k CTAs' mma FLOPs at the SM's mma.sync peak, or their instructions on one warp scheduler
@@ -54,7 +55,7 @@ from .._limits import MAX_DRAFT_TOKENS
 from .._ops import sm_count
 
 MAX_KV_SPLITS = 64
-MIN_SPLIT_KEYS = 256  # automatic splits stream at least this many prefix keys each
+MIN_SPLIT_KEYS = 64  # automatic splits stream at least this many prefix keys each (the cost decides above it)
 EFFICIENCY_TOLERANCE = 0.03  # without the bytes: the fewest splits within 3% of the best wave efficiency
 TARGET_EFFICIENCY = 0.9  # such a plan below it is bounded by MIN_SPLIT_KEYS or MAX_KV_SPLITS, not by the waves
 COST_TOLERANCE = 0.03  # with the bytes: the fewest splits within 3% of the cheapest
@@ -239,6 +240,7 @@ class SplitCost:
     in_flight_bytes: int
     partial_bytes_per_cta: int
     out_bytes_per_cta: int
+    row_blocks: int = 1  # CTAs that read the same K/V stream (one (request, KV head)'s row blocks)
 
     def terms(self, ctas: int, per_sm: int, splits: int, prefix_keys: int) -> dict[str, float]:
         """Seconds per term at `splits`: "DRAM", "latency" and "compute" (the stream takes the
@@ -252,7 +254,9 @@ class SplitCost:
         if splits > 1:
             merge = (total * self.partial_bytes_per_cta + ctas * self.out_bytes_per_cta) / self.dram_bytes_per_s \
                 + self.launch_overhead_s
-        return {"DRAM": total * cta_bytes / self.dram_bytes_per_s,
+        dram = total * (keys * self.kv_bytes_per_key / self.row_blocks +
+                        (self.partial_bytes_per_cta if splits > 1 else 0))
+        return {"DRAM": dram / self.dram_bytes_per_s,
                 "latency": k * cta_bytes / (min(k, per_sm) * rate) if rate else 0.0,
                 "compute": k * max(keys * self.flops_per_key / self.tensor_flops_per_s_per_sm,
                                    (self.issue_per_cta + keys * self.issue_per_key) / self.clock_hz),
@@ -338,7 +342,7 @@ def split_cost(limits: DeviceLimits, kernel: KernelResources, traffic: SplitTraf
                      limits.tensor_flops_per_s_per_sm, limits.clock_hz, traffic.kv_bytes_per_key,
                      mma_rows * traffic.flops_per_row_key, issue_per_cta(rows_per_cta, 1, columns) - fixed, fixed,
                      kernel.smem_bytes, rows_per_cta * traffic.partial_bytes_per_row,
-                     rows_per_cta * traffic.out_bytes_per_row)
+                     rows_per_cta * traffic.out_bytes_per_row, max(1, -(-rows // block_m)))
 
 
 def split_plan(limits: DeviceLimits, kernel: KernelResources, num_requests: int, num_kv_heads: int, rows: int,

@@ -107,7 +107,7 @@ def _mla_fwd_kernel(
     E5M2: tl.constexpr,  # ... e5m2 rather than e4m3fn
     K_SCALE_TENSOR: tl.constexpr,  # k_scale is read from K_SCALE
     V_SCALE_TENSOR: tl.constexpr,  # v_scale is read from V_SCALE
-    MIN_CHUNK: tl.constexpr,  # smallest prefix share of a split (a multiple of BLOCK_N, or 0)
+    MIN_CHUNK: tl.constexpr,  # smallest prefix share of a split (0: none); the chunk stays whole BLOCK_N tiles
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
 ):
@@ -316,7 +316,7 @@ def mla_tree_verify_attention(
         IEEE_DOT=q.dtype == torch.float32,
         FP8_KV=fp8, FP8_BITS=fp8 and triton_interpreting(), E5M2=kv_cache.dtype == torch.float8_e5m2,
         K_SCALE_TENSOR=scales.k_tensor is not None, V_SCALE_TENSOR=scales.v_tensor is not None,
-        # A forced split count divides the prefix evenly; the automatic one keeps splits >= 256 keys.
+        # A forced split count divides the prefix evenly; the automatic one keeps splits >= MIN_SPLIT_KEYS.
         MIN_CHUNK=min_chunk,
         BLOCK_M=block_m,
     )

@@ -55,7 +55,7 @@ def _tree_verify_fwd_kernel(
     E5M2: tl.constexpr,  # ... e5m2 rather than e4m3fn
     K_SCALE_TENSOR: tl.constexpr,  # k_scale is read from K_SCALE
     V_SCALE_TENSOR: tl.constexpr,  # v_scale is read from V_SCALE
-    MIN_CHUNK: tl.constexpr,  # smallest prefix share of a split (a multiple of BLOCK_N, or 0)
+    MIN_CHUNK: tl.constexpr,  # smallest prefix share of a split (0: none); the chunk stays whole BLOCK_N tiles
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
 ):

@@ -83,7 +83,7 @@ def test_tree_verify_no_split_head_dim_128_int64_indices():
 
 def test_decode_automatic_splits():
     """Decode (IS_DECODE) with the split count the launch plan picks for a small GPU (8 SMs;
-    MIN_CHUNK: >= 256 prefix keys per split), prefixes of 0..1100 keys."""
+    MIN_CHUNK: >= MIN_SPLIT_KEYS prefix keys per split), prefixes of 0..1100 keys."""
     dtype = torch.bfloat16
     case = make_case([1, 1, 1], [1100, 0, 600], hq=4, hkv=2, d=64, dtype=dtype, seed=3)
     args = (case.q, case.k_cache, case.v_cache, case.kv_indptr, case.kv_indices)
