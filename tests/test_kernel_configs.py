@@ -162,7 +162,8 @@ def check_launch_rule(table) -> None:
             for fp8 in (0, 1):  # the same choice for either cache kind
                 assert bm[("tv", 64, rows, *smem, fp8)] == bm[("tv", 256, rows, *smem, fp8)] == 64  # one configuration
                 assert bm[("tv", 96, rows, *smem, fp8)] == 0  # no configuration
-                want = 128 if rows > 64 else 32 if rows <= 16 and smem == rtx else 64
+                # sm_120 (one 64-row CTA per SM): 32 rows up to 16, the 8-warp 128-row one for 17-64
+                want = 128 if rows > 64 else (32 if rows <= 16 else 128) if smem == rtx else 64
                 assert bm[("tv", 128, rows, *smem, fp8)] == want, (rows, smem, fp8)
         assert bm[("mla", rows)] == (16 if rows <= 16 else 32 if rows <= 32 else 64)
     assert table[("tv", 128, 65, *h200, 0)][1:] == (256, 98 * 1024)  # 8 warps, the 64-row stages
@@ -182,7 +183,11 @@ def test_the_compiled_launch_rule_is_the_extensions(tmp_path):
 LAUNCH_RULE_MUTANTS = {
     "wide_at_64_rows": ("tree_verify_config.h", "max_rows > kTreeVerifyBlockM", "max_rows >= kTreeVerifyBlockM"),
     "small_up_to_32_rows": ("tree_verify_config.h", "max_rows <= 16", "max_rows <= 32"),
-    "small_everywhere": ("tree_verify_config.h", "2 * large > smem_per_sm && ", ""),
+    "small_everywhere": ("tree_verify_config.h", "one_large_per_sm && 2 * small", "2 * small"),
+    "wide_on_sm90_too": ("tree_verify_config.h", "(head_dim == 128 && one_large_per_sm)", "(head_dim == 128)"),
+    "wide_from_33_rows": ("tree_verify_config.h", "(head_dim == 128 && one_large_per_sm)",
+                          "(head_dim == 128 && one_large_per_sm && max_rows > 32)"),
+    "unknown_smem_counts_as_small": ("tree_verify_config.h", "smem_per_sm > 0 && ", ""),
     "mla_rows_swapped": ("mla.h", "max_rows <= 16 ? 16 : max_rows <= 32 ? 32 : 64",
                          "max_rows <= 16 ? 16 : max_rows <= 48 ? 32 : 64"),
 }

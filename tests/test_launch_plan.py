@@ -65,10 +65,15 @@ def test_configuration_by_rows():
     # sm_120: one 98 KB CTA per 100 KB SM, two of 49 KB (+ 1 KB reserved each); sm_90 holds two large
     assert block_m(128, 8, rtx) == 32 and block_m(128, 8, h200) == 64
     assert block_m(128, 8) == 64  # no device limits: never the small one (same CTA count)
-    assert block_m(128, 32, rtx) == 64  # more than 16 rows
-    assert block_m(64, 8, rtx) == 64
+    # 17-64 rows: sm_120 holds one 98 KB CTA per SM, so the 8-warp configuration (two warps per
+    # scheduler, same shared memory); sm_90 holds two 4-warp ones; no device limits: 64
+    assert block_m(128, 17, rtx) == block_m(128, 32, rtx) == block_m(128, 64, rtx) == 128
+    assert block_m(128, 17, h200) == block_m(128, 64, h200) == block_m(128, 64) == 64
+    assert block_m(128, 32, rtx, kv_fp8=True) == 128  # the fp8 instance: 82 KB, one per SM as well
+    assert block_m(64, 8, rtx) == block_m(64, 32, rtx) == block_m(256, 32, rtx) == 64
     assert ap.resident_ctas_per_sm(tv_cuda.cuda_tree_verify_kernel(128, 8)(rtx), rtx) == 2
     assert ap.resident_ctas_per_sm(tv_cuda.cuda_tree_verify_kernel(128, 32)(rtx), rtx) == 1
+    assert tv_cuda.cuda_tree_verify_kernel(128, 32)(rtx).threads == 256
     # more than 64 rows at D = 128: one 8-warp CTA of 128 rows (1 per SM on both: registers)
     assert block_m(128, 65, rtx) == block_m(128, 128, h200) == block_m(128, 512) == 128
     assert block_m(64, 128, rtx) == block_m(256, 128, rtx) == 64
@@ -85,11 +90,11 @@ def _check_cheapest(p, cost, prefix, where):
     assert secs[p.splits - 1] <= limit + 1e-15 and all(t > limit for t in secs[:p.splits - 1]), (where, p)
     assert p.seconds == pytest.approx(secs[p.splits - 1])
     terms = cost.terms(p.ctas, p.per_sm, p.splits, prefix)
-    binding = max(("DRAM", "latency", "compute"), key=terms.get)
-    if p.limit == "bandwidth":
-        assert binding == "DRAM", (where, p, terms)
+    binding = max(("DRAM", "L2", "latency", "compute"), key=terms.get)
+    if p.limit == "bandwidth":  # DRAM or L2: no split count does better
+        assert binding in ("DRAM", "L2"), (where, p, terms)
     elif p.limit in ("keys", "cap"):
-        assert p.splits == p.max_splits and binding != "DRAM", (where, p, terms)
+        assert p.splits == p.max_splits and binding not in ("DRAM", "L2"), (where, p, terms)
     else:
         assert p.limit == binding and p.splits < p.max_splits, (where, p, terms)
 
@@ -144,34 +149,39 @@ def test_the_partials_are_weighed_against_the_waves():
 
 
 def test_cost_terms_by_hand():
-    """One SplitCost evaluated by hand: 8 CTAs of 64 rows per split, 2 resident per SM, 4096 keys."""
-    c = ap.SplitCost(sms=4, dram_bytes_per_s=1e12, dram_latency_s=1e-6, launch_overhead_s=2e-6,
+    """One SplitCost evaluated by hand: 8 CTAs of 64 rows per split (two row blocks of each K/V
+    stream: its bytes read from DRAM once, through L2 twice), 2 resident per SM, 4096 keys."""
+    c = ap.SplitCost(sms=4, dram_bytes_per_s=1e12, l2_bytes_per_s=2e12, dram_latency_s=1e-6, launch_overhead_s=2e-6,
                      tensor_flops_per_s_per_sm=1e12, clock_hz=1e9, kv_bytes_per_key=512, flops_per_key=64 * 512,
                      issue_per_key=20.0, issue_per_cta=2000.0, in_flight_bytes=100_000,
-                     partial_bytes_per_cta=64 * 516, out_bytes_per_cta=64 * 256)
+                     partial_bytes_per_cta=64 * 516, out_bytes_per_cta=64 * 256, row_blocks=2)
     t1 = c.terms(8, 2, 1, 4096)  # 8 CTAs on 4 SMs: k = 2, both resident together
-    assert t1["DRAM"] == pytest.approx(8 * 4096 * 512 / 1e12)
+    assert t1["DRAM"] == pytest.approx(4 * 4096 * 512 / 1e12)
+    assert t1["L2"] == pytest.approx(8 * 4096 * 512 / 2e12)
     assert t1["latency"] == pytest.approx(2 * 4096 * 512 / (2 * 100_000 / 1e-6))
     assert t1["compute"] == pytest.approx(2 * max(4096 * 64 * 512 / 1e12, (2000 + 4096 * 20) / 1e9))
     assert t1["merge"] == 0.0
     t2 = c.terms(8, 2, 2, 4096)  # 16 CTAs: k = 4, 2048 keys each, partials written and merged
     cta = 2048 * 512 + 64 * 516
-    assert t2["DRAM"] == pytest.approx(16 * cta / 1e12)
+    assert t2["DRAM"] == pytest.approx(16 * (2048 * 512 / 2 + 64 * 516) / 1e12)
+    assert t2["L2"] == pytest.approx(16 * cta / 2e12)
     assert t2["latency"] == pytest.approx(4 * cta / (2 * 100_000 / 1e-6))
     assert t2["merge"] == pytest.approx((16 * 64 * 516 + 8 * 64 * 256) / 1e12 + 2e-6)
-    assert c.seconds(8, 2, 2, 4096) == pytest.approx(max(t2["DRAM"], t2["latency"], t2["compute"]) + t2["merge"])
+    assert c.seconds(8, 2, 2, 4096) == pytest.approx(max(t2["DRAM"], t2["L2"], t2["latency"], t2["compute"]) +
+                                                     t2["merge"])
 
 
 def test_random_costs_take_the_cheapest_split():
     gen = torch.Generator().manual_seed(3)
     for _ in range(300):
         r = lambda lo, hi: int(torch.randint(lo, hi, (), generator=gen))  # noqa: E731
-        cost = ap.SplitCost(sms=r(1, 200), dram_bytes_per_s=r(1, 50) * 1e11, dram_latency_s=r(1, 20) * 1e-7,
+        cost = ap.SplitCost(sms=r(1, 200), dram_bytes_per_s=r(1, 50) * 1e11, l2_bytes_per_s=r(1, 100) * 1e11,
+                            dram_latency_s=r(1, 20) * 1e-7,
                             launch_overhead_s=r(0, 50) * 1e-7, tensor_flops_per_s_per_sm=r(1, 50) * 1e11,
                             clock_hz=r(1, 30) * 1e8, kv_bytes_per_key=r(1, 2000), flops_per_key=r(0, 100_000),
                             issue_per_key=float(r(0, 60)), issue_per_cta=float(r(0, 6000)),
                             in_flight_bytes=r(0, 200_000), partial_bytes_per_cta=r(0, 300_000),
-                            out_bytes_per_cta=r(0, 100_000))
+                            out_bytes_per_cta=r(0, 100_000), row_blocks=r(1, 5))
         ctas, per_sm, prefix = r(1, 3000), r(1, 9), r(1, 200_000)
         p = ap.plan(ctas, per_sm * cost.sms, per_sm, prefix, cost)
         assert p.max_splits == max(1, min(ap.MAX_KV_SPLITS, prefix // ap.MIN_SPLIT_KEYS))

@@ -18,9 +18,10 @@ KV splits. One CTA streams one split of a request's prefix for one (KV head, row
 count s costs, in seconds (:class:`SplitCost`, the speed-of-light report's model reduced to the
 terms the split count moves):
 
-* the stream: max(DRAM, latency, compute). DRAM: the K/V bytes of every (request, KV head) once
-  (its row blocks' CTAs run side by side and read the same rows: one DRAM read, the rest L2 hits)
-  plus, with s > 1, every CTA's fp32 partial output, at the GPU's DRAM bandwidth. Latency: the busiest SM runs
+* the stream: max(DRAM, L2, latency, compute). DRAM: the K/V bytes of every (request, KV head)
+  once (its row blocks' CTAs run side by side and read the same rows: one DRAM read, the rest L2
+  hits) plus, with s > 1, every CTA's fp32 partial output, at the GPU's DRAM bandwidth. L2: every
+  CTA's K/V bytes and partials at the (assumed) L2 bandwidth. Latency: the busiest SM runs
   k = ceil(ctas x s / SMs) CTAs, min(k, resident per SM) at a time, and one CTA streams no faster
   than its bytes in flight (its shared-memory stages) per DRAM latency (Little's law). Compute:
   those k CTAs' mma FLOPs at the SM's mma.sync peak, or their instructions on one warp scheduler
@@ -98,6 +99,11 @@ class DeviceLimits:
     launch_overhead_s: float = 1.5e-6  # one more kernel in a CUDA graph (assumed: no published figure)
     clock_hz: float = 1.98e9  # SM clock under load
     mma_flops_per_clk: float = 0.64 * 4096  # mma.sync 16-bit -> fp32 peak of one SM per clock
+    l2_over_dram: float = 2.0  # L2 bandwidth / DRAM bandwidth (assumed: no public figure)
+
+    @property
+    def l2_bytes_per_s(self) -> float:
+        return self.l2_over_dram * self.dram_bytes_per_s
 
     @property
     def tensor_flops_per_s_per_sm(self) -> float:
@@ -144,6 +150,7 @@ def _device_limits(device_index: int, sms: int) -> DeviceLimits:
         max_smem_per_cta=getattr(props, "shared_memory_per_block_optin", 0) or base.max_smem_per_cta,
         dram_bytes_per_s=base.dram_bytes_per_s, dram_latency_s=base.dram_latency_s,
         launch_overhead_s=base.launch_overhead_s, mma_flops_per_clk=base.mma_flops_per_clk,
+        l2_over_dram=base.l2_over_dram,
         clock_hz=(getattr(props, "clock_rate", 0) or base.clock_hz / 1e3) * 1e3,  # kHz
     )
 
@@ -229,6 +236,7 @@ class SplitCost:
 
     sms: int
     dram_bytes_per_s: float
+    l2_bytes_per_s: float
     dram_latency_s: float
     launch_overhead_s: float
     tensor_flops_per_s_per_sm: float
@@ -243,8 +251,8 @@ class SplitCost:
     row_blocks: int = 1  # CTAs that read the same K/V stream (one (request, KV head)'s row blocks)
 
     def terms(self, ctas: int, per_sm: int, splits: int, prefix_keys: int) -> dict[str, float]:
-        """Seconds per term at `splits`: "DRAM", "latency" and "compute" (the stream takes the
-        longest), "merge"."""
+        """Seconds per term at `splits`: "DRAM", "L2", "latency" and "compute" (the stream takes
+        the longest), "merge"."""
         total = ctas * splits
         keys = prefix_keys / splits
         cta_bytes = keys * self.kv_bytes_per_key + (self.partial_bytes_per_cta if splits > 1 else 0)
@@ -256,7 +264,7 @@ class SplitCost:
                 + self.launch_overhead_s
         dram = total * (keys * self.kv_bytes_per_key / self.row_blocks +
                         (self.partial_bytes_per_cta if splits > 1 else 0))
-        return {"DRAM": dram / self.dram_bytes_per_s,
+        return {"DRAM": dram / self.dram_bytes_per_s, "L2": total * cta_bytes / self.l2_bytes_per_s,
                 "latency": k * cta_bytes / (min(k, per_sm) * rate) if rate else 0.0,
                 "compute": k * max(keys * self.flops_per_key / self.tensor_flops_per_s_per_sm,
                                    (self.issue_per_cta + keys * self.issue_per_key) / self.clock_hz),
@@ -264,7 +272,7 @@ class SplitCost:
 
     def seconds(self, ctas: int, per_sm: int, splits: int, prefix_keys: int) -> float:
         t = self.terms(ctas, per_sm, splits, prefix_keys)
-        return max(t["DRAM"], t["latency"], t["compute"]) + t["merge"]
+        return max(t["DRAM"], t["L2"], t["latency"], t["compute"]) + t["merge"]
 
 
 @dataclass(frozen=True)
@@ -277,7 +285,7 @@ class SplitPlan:
     waves: int
     efficiency: float  # ctas x splits / (waves x slots)
     # what bounded the choice: with the bytes, the stream's binding term, "bandwidth" (full DRAM
-    # bandwidth: no split count does better), "compute" or "latency" (the SMs' work or the bytes in
+    # or L2 bandwidth: no split count does better), "compute" or "latency" (the SMs' work or the bytes in
     # flight, where more splits cost more in partials and merge than they save), or "keys" / "cap"
     # (more splits might pay; MIN_SPLIT_KEYS or MAX_KV_SPLITS stop them); without the bytes
     # "waves" (the waves are full), "keys" or "cap"
@@ -317,8 +325,8 @@ def plan(ctas: int, slots: int, per_sm: int, prefix_keys: Optional[int], cost: O
     splits = next(s for s, t in enumerate(secs, start=1) if t <= cheapest / (1 - COST_TOLERANCE))
     waves, eff = effs[splits - 1]
     terms = cost.terms(ctas, per_sm, splits, prefix_keys)
-    binding = max(("DRAM", "latency", "compute"), key=terms.get)
-    if binding == "DRAM":
+    binding = max(("DRAM", "L2", "latency", "compute"), key=terms.get)
+    if binding in ("DRAM", "L2"):
         limit = "bandwidth"
     elif splits == max_splits:
         limit = bound
@@ -338,7 +346,8 @@ def split_cost(limits: DeviceLimits, kernel: KernelResources, traffic: SplitTraf
     mma_rows = -(-rows_per_cta // MMA_ROWS) * MMA_ROWS
     columns = traffic.head_dim + traffic.v_head_dim
     fixed = issue_per_cta(rows_per_cta, 0, columns)
-    return SplitCost(limits.sms, limits.dram_bytes_per_s, limits.dram_latency_s, limits.launch_overhead_s,
+    return SplitCost(limits.sms, limits.dram_bytes_per_s, limits.l2_bytes_per_s, limits.dram_latency_s,
+                     limits.launch_overhead_s,
                      limits.tensor_flops_per_s_per_sm, limits.clock_hz, traffic.kv_bytes_per_key,
                      mma_rows * traffic.flops_per_row_key, issue_per_cta(rows_per_cta, 1, columns) - fixed, fixed,
                      kernel.smem_bytes, rows_per_cta * traffic.partial_bytes_per_row,

@@ -30,9 +30,9 @@ def cuda_tree_verify_block_m(head_dim: int, rows: int, limits: Optional[DeviceLi
                              kv_fp8: bool = False) -> int:
     """Rows per CTA of the configuration a CUDA launch of `rows` (max_rows) takes on a device with
     `limits` (the launch's own choice, read from the extension): at D = 128, 128 for more than 64
-    rows and 32 for at most 16 rows where two such CTAs fit on an SM and two 64-row ones do not
-    (sm_120); else 64. Without `limits` never 32 (for counting CTAs 32 and 64 agree: <= 16 rows
-    are one CTA either way). 0 for a head dim without a configuration (supports() sends such
+    rows; where two 64-row CTAs do not fit on an SM (sm_120) 32 for at most 16 rows and 128 (8
+    warps) for 17-64; else 64. Without `limits` 64 for at most 64 rows (for counting CTAs they
+    agree: <= 64 rows are one CTA either way). 0 for a head dim without a configuration (supports() sends such
     calls to Triton)."""
     per_sm, reserved = (limits.smem_per_sm, limits.smem_reserved_per_cta) if limits is not None else (0, 0)
     return tree_verify_launch_config(head_dim, max(rows, 1), per_sm, reserved, kv_fp8).block_m

@@ -59,29 +59,32 @@ def kernel_launch(ops):
 
 E4, E5 = torch.float8_e4m3fn, torch.float8_e5m2
 # (draft counts, prefixes, hq, hkv, d, q dtype, fp8, tree kind, splits, tensor scales, decode,
-#  configuration suffix of the mangled name: <D, rows, fp8>)
+#  configuration suffix of the mangled name: <D, rows, fp8>, the arch the PTX is compiled for)
 CASES = [
-    ([5, 0, 17], [70, 3, 0], 4, 2, 64, torch.bfloat16, E4, "random", 2, False, False, "Li64ELi64ELb1E"),
-    ([3, 9], [0, 130], 2, 2, 64, torch.float16, E5, "forest", 0, True, False, "Li64ELi64ELb1E"),
-    ([7, 2], [40, 200], 4, 1, 128, torch.float16, E4, "wide", 3, True, False, "Li128ELi64ELb1E"),
-    ([9, 2], [380, 3], 2, 1, 128, torch.bfloat16, E5, "random", 0, False, False, "Li128ELi64ELb1E"),
-    ([4], [70], 2, 1, 256, torch.bfloat16, E4, "random", 0, False, False, "Li256ELi64ELb1E"),
-    ([3], [40], 2, 1, 256, torch.float16, E5, "chain", 2, True, False, "Li256ELi64ELb1E"),
+    ([5, 0, 17], [70, 3, 0], 4, 2, 64, torch.bfloat16, E4, "random", 2, False, False, "Li64ELi64ELb1E", "sm_120a"),
+    ([3, 9], [0, 130], 2, 2, 64, torch.float16, E5, "forest", 0, True, False, "Li64ELi64ELb1E", "sm_120a"),
+    # D = 128, 17-64 rows: sm_90 (two CTAs per SM) the 64-row configuration, sm_120 (one) the
+    # 8-warp 128-row one, two warps per 16 rows (36 rows: warps_m 4 x warps_n 2; 18: 2 x 4)
+    ([7, 2], [40, 200], 4, 1, 128, torch.float16, E4, "wide", 3, True, False, "Li128ELi64ELb1E", "sm_90a"),
+    ([7, 2], [40, 200], 4, 1, 128, torch.float16, E4, "wide", 3, True, False, "Li128ELi128ELb1E", "sm_120a"),
+    ([9, 2], [380, 3], 2, 1, 128, torch.bfloat16, E5, "random", 0, False, False, "Li128ELi128ELb1E", "sm_120a"),
+    ([4], [70], 2, 1, 256, torch.bfloat16, E4, "random", 0, False, False, "Li256ELi64ELb1E", "sm_120a"),
+    ([3], [40], 2, 1, 256, torch.float16, E5, "chain", 2, True, False, "Li256ELi64ELb1E", "sm_120a"),
     # > 64 rows at D = 128: the 128-row configuration; an empty request; 2 splits
-    ([16, 5, 0], [300, 70, 3], 8, 1, 128, torch.float16, E4, "random", 2, False, False, "Li128ELi128ELb1E"),
-    ([16, 3], [130, 20], 8, 1, 128, torch.bfloat16, E5, "random", 0, True, False, "Li128ELi128ELb1E"),
+    ([16, 5, 0], [300, 70, 3], 8, 1, 128, torch.float16, E4, "random", 2, False, False, "Li128ELi128ELb1E", "sm_120a"),
+    ([16, 3], [130, 20], 8, 1, 128, torch.bfloat16, E5, "random", 0, True, False, "Li128ELi128ELb1E", "sm_120a"),
     # decode at D = 128 on sm_120: the 32-row configuration (two 41 KB CTAs per SM)
-    ([1, 1, 1], [9, 66, 260], 8, 2, 128, torch.bfloat16, E4, "random", 2, True, True, "Li128ELi32ELb1E"),
-    ([1, 1], [300, 40], 8, 2, 128, torch.float16, E5, "random", 0, False, True, "Li128ELi32ELb1E"),
+    ([1, 1, 1], [9, 66, 260], 8, 2, 128, torch.bfloat16, E4, "random", 2, True, True, "Li128ELi32ELb1E", "sm_120a"),
+    ([1, 1], [300, 40], 8, 2, 128, torch.float16, E5, "random", 0, False, True, "Li128ELi32ELb1E", "sm_120a"),
 ]
 
 
-@pytest.mark.parametrize("ns,prefixes,hq,hkv,d,dtype,fp8,kind,splits,tensor_scales,decode,config", CASES,
+@pytest.mark.parametrize("ns,prefixes,hq,hkv,d,dtype,fp8,kind,splits,tensor_scales,decode,config,arch", CASES,
                          ids=[f"case{i}" for i in range(len(CASES))])
 def test_fp8_cache_matches_reference(ns, prefixes, hq, hkv, d, dtype, fp8, kind, splits, tensor_scales, decode,
-                                     config):
+                                     config, arch):
     case = make_case(ns, prefixes, hq=hq, hkv=hkv, d=d, dtype=dtype, kind=kind, seed=sum(ns) + d + len(prefixes))
-    ops = check(case, fp8, dtype, splits=splits, tensor_scales=tensor_scales, decode=decode,
+    ops = check(case, fp8, dtype, arch=arch, splits=splits, tensor_scales=tensor_scales, decode=decode,
                 max_draft_tokens=max(ns) if not decode else 0)
     assert kernel_launch(ops)[0].endswith(config), [l[0] for l in ops.launches]
     assert any("merge_splits" in l[0] for l in ops.launches) == (splits > 1)
@@ -92,7 +95,7 @@ def test_every_fp8_configuration_has_a_case():
     from spec_kernels import _ops
 
     compiled = {c.template_args for c in _ops.kernel_configs() if c.kernel == "tree_verify_kernel" and c.kv_fp8}
-    reached = {"{},{},true".format(*[int(x) for x in c[-1][2:].replace("ELi", " ").replace("ELb1E", "").split()])
+    reached = {"{},{},true".format(*[int(x) for x in c[-2][2:].replace("ELi", " ").replace("ELb1E", "").split()])
                for c in CASES}
     assert compiled == reached
 

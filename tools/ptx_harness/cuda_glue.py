@@ -91,7 +91,7 @@ class PtxCudaOps:
     """torch.ops.spec_kernels_cuda over the interpreter. `launches` records (kernel, grid, block,
     smem, Stats) of every simulated launch for the tests and the counter report."""
 
-    def __init__(self, arch: str = ARCH, mma: str = "fast", check_races: bool = True, patched=None):
+    def __init__(self, arch: str = ARCH, mma: str = "fast", check_races: bool = True, patched=None, latencies=None):
         """patched: {csrc-relative .cu path: edited source text} compiled instead of the file
         (the mutant tests); a header key (a csrc-relative .cuh / .h, csrc/include's too) is used instead of the
         file by every .cu this object compiles."""
@@ -99,6 +99,7 @@ class PtxCudaOps:
         self.mma = mma
         self.check_races = check_races
         self.patched = dict(patched or {})
+        self.latencies = latencies  # per instruction class: keeps ptxsim's per-warp latency clock
         self.launches = []
 
     def _module(self, cu: str):
@@ -112,7 +113,8 @@ class PtxCudaOps:
         return module_of(cuda_ptx(os.path.join(REPO, "csrc", cu), self.arch))
 
     def _machine(self):
-        return Machine(mma=self.mma, check_races=self.check_races, arch="sm_120" if "120" in self.arch else "sm_90")
+        return Machine(mma=self.mma, check_races=self.check_races, arch="sm_120" if "120" in self.arch else "sm_90",
+                       latencies=self.latencies)
 
     def _run(self, m, mod, entry, grid, block, args, smem=0):
         e = mod.entry(entry)

@@ -34,7 +34,7 @@ import os
 import sys
 from typing import Optional, Sequence
 
-from tools.speed_of_light.gpus import GPUS, Gpu
+from tools.speed_of_light.gpus import GPUS, LATENCY_CYCLES, Gpu
 from tools.speed_of_light.model import (CALIBRATION_BAND, Prediction, Work, combine, expected_range, fit_linear,
                                         fmt_seconds, predict, work_from_stats)
 
@@ -213,7 +213,7 @@ class Simulator:
         from tools.ptx_harness.cuda_glue import PtxCudaOps, run_tree_verify
 
         case = make_case([n], [prefix], dtype=torch.bfloat16, seed=1, hq=group, hkv=1, d=D)
-        ops = PtxCudaOps(arch=arch, check_races=False)
+        ops = PtxCudaOps(arch=arch, check_races=False, latencies=LATENCY_CYCLES)
         run_tree_verify(case, ops, decode=n == 1, splits=splits)
         return ops
 
@@ -236,7 +236,7 @@ class Simulator:
         qo_indptr = torch.tensor([0, n], dtype=torch.int32)
         mask = ancestor_mask_bits(torch.tensor(random_parents(n, "chain", gen)), qo_indptr)
         out = torch.empty(n, heads, MLA_DV, dtype=torch.bfloat16)
-        ops = PtxCudaOps(arch=arch, check_races=False)
+        ops = PtxCudaOps(arch=arch, check_races=False, latencies=LATENCY_CYCLES)
         saved = mla_cuda.cuda_ops
         mla_cuda.cuda_ops = lambda: ops
         try:
@@ -286,10 +286,18 @@ def _sglang_sees(target: TritonTarget):
 
 
 def _sglang():
-    sys.path.insert(0, os.path.join(REPO, "benchmarks"))
-    import _sglang_kernels  # the benchmark's loader of SGLang's kernels (installed, or staged sources)
+    """The benchmark's loader of SGLang's kernels (installed, or staged sources), loaded by its
+    path: benchmarks/ on sys.path would shadow the tests' modules of the same names."""
+    import importlib.util
 
-    return _sglang_kernels
+    mod = sys.modules.get("_sglang_kernels")
+    if mod is None:
+        spec = importlib.util.spec_from_file_location("_sglang_kernels",
+                                                      os.path.join(REPO, "benchmarks", "_sglang_kernels.py"))
+        mod = importlib.util.module_from_spec(spec)
+        sys.modules["_sglang_kernels"] = mod
+        spec.loader.exec_module(mod)
+    return mod
 
 
 def _tensors(n: int, group: int, prefix: int):
@@ -560,19 +568,22 @@ ANCHORS = {
 def print_header() -> None:
     lo, hi = CALIBRATION_BAND
     print("modelled (speed-of-light model, not measured); floor = ideal bytes at peak DRAM bandwidth")
+    print("time: with each warp's instructions in the best order its dependences allow; in order: issued in "
+          "PTX order (no reordering by the compiler); the code ptxas emits lies between")
     print(f"error band (tools/ptx_harness/calibration.py): on a GPU expect {1 / hi:.2f}x (memory-bound) .. "
           f"{1 / lo:.2f}x (compute-bound) the modelled time")
 
 
 def print_table(rows: list[dict]) -> None:
     print_header()
-    print(f"{'gpu':<13} {'shape':<34} {'rows/CTA':>8} {'splits':>6} {'CTAs':>6} {'time':>10} {'GB/s':>7}"
-          f" {'floor/t':>7}  bottleneck (unit times)")
+    print(f"{'gpu':<13} {'shape':<34} {'rows/CTA':>8} {'splits':>6} {'CTAs':>6} {'time':>10} {'in order':>10}"
+          f" {'GB/s':>7} {'floor/t':>7}  bottleneck (unit times)")
     for r in rows:
         p: Prediction = r["prediction"]
         units = ", ".join(f"{u} {fmt_seconds(t)}" for u, t in sorted(p.units.items(), key=lambda kv: -kv[1])[:3])
         print(f"{r['gpu']:<13} {r['shape']:<34} {r['block_m']:>8} {r['splits']:>6} {r['ctas']:>6} "
-              f"{fmt_seconds(p.seconds):>10} {r['bandwidth'] / 1e9:>7.0f} {p.of_floor:>7.2f}  {p.bottleneck} ({units})")
+              f"{fmt_seconds(p.seconds):>10} {fmt_seconds(p.seconds_in_order):>10} {r['bandwidth'] / 1e9:>7.0f} "
+              f"{p.of_floor:>7.2f}  {p.bottleneck} ({units})")
     print("\nsplit sizing (tree_verify_cuda): the planner's split count against every count its bounds allow "
           "(the model's fastest) and against the wave-efficiency rule it replaced; time / fastest")
     print(f"{'gpu':<13} {'shape':<34} {'planned':>7} {'bound':>9} {'x best':>7} {'fastest':>7} {'time':>10}"
@@ -603,14 +614,15 @@ def print_mla_table(rows: list[dict]) -> None:
     print("\nMLA verify (mla_tree_verify_cuda; modelled): floor = the larger of the ideal bytes at peak DRAM "
           "bandwidth and the useful FLOPs at the mma.sync peak; mma = useful FLOP/s / mma.sync peak; "
           "x best = time at the planned split count / at the model's fastest")
-    print(f"{'gpu':<13} {'shape':<34} {'rows/CTA':>8} {'splits':>6} {'CTAs':>6} {'time':>10} {'GB/s':>7}"
-          f" {'mma':>5} {'floor/t':>7} {'x best':>6} {'fastest':>7}  bottleneck (unit times)")
+    print(f"{'gpu':<13} {'shape':<34} {'rows/CTA':>8} {'splits':>6} {'CTAs':>6} {'time':>10} {'in order':>10}"
+          f" {'GB/s':>7} {'mma':>5} {'floor/t':>7} {'x best':>6} {'fastest':>7}  bottleneck (unit times)")
     for r in rows:
         p: Prediction = r["prediction"]
         c = r["split_check"]
         units = ", ".join(f"{u} {fmt_seconds(t)}" for u, t in sorted(p.units.items(), key=lambda kv: -kv[1])[:3])
         print(f"{r['gpu']:<13} {r['shape']:<34} {r['block_m']:>8} {r['splits']:>6} {r['ctas']:>6} "
-              f"{fmt_seconds(p.seconds):>10} {r['bandwidth'] / 1e9:>7.0f} {r['mma_fraction']:>5.2f} {p.of_floor:>7.2f} "
+              f"{fmt_seconds(p.seconds):>10} {fmt_seconds(p.seconds_in_order):>10} {r['bandwidth'] / 1e9:>7.0f} "
+              f"{r['mma_fraction']:>5.2f} {p.of_floor:>7.2f} "
               f"{c['planned_over_best']:>6.3f} {c['best_splits']:>7}  {p.bottleneck} ({units})")
 
 
@@ -631,6 +643,7 @@ def to_benchmark_json(rows: list[dict], mla_rows: Sequence[dict] = ()) -> dict:
         p: Prediction = r["prediction"]
         benches.append(_entry("tree_verify_cuda", r, p.seconds, {
             "bottleneck": p.bottleneck, "of_floor": p.of_floor, "units": p.units, "splits": r["splits"],
+            "seconds_in_order": p.seconds_in_order,
             "ctas": r["ctas"], "block_m": r["block_m"], "resident": r["resident"], "gbps": r["bandwidth"] / 1e9,
             "split_limit": r["split_limit"], "split_check": r["split_check"],
             "bytes": r["ideal_bytes"], "calibration_band": list(CALIBRATION_BAND)}))
@@ -644,6 +657,7 @@ def to_benchmark_json(rows: list[dict], mla_rows: Sequence[dict] = ()) -> dict:
         p = r["prediction"]
         benches.append(_entry("mla_tree_verify_cuda", r, p.seconds, {
             "bottleneck": p.bottleneck, "of_floor": p.of_floor, "floor_unit": p.floor_unit, "units": p.units,
+            "seconds_in_order": p.seconds_in_order,
             "splits": r["splits"], "ctas": r["ctas"], "block_m": r["block_m"], "resident": r["resident"],
             "gbps": r["bandwidth"] / 1e9, "mma_fraction": r["mma_fraction"], "split_limit": r["split_limit"],
             "split_check": r["split_check"], "bytes": r["ideal_bytes"], "calibration_band": list(CALIBRATION_BAND)}))

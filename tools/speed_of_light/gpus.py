@@ -60,11 +60,24 @@ _LAUNCH = ("assumed: back-to-back kernels in a CUDA graph start about 1-2 us apa
            "microbenchmark of it was found")
 _L2 = "assumed: 2x the DRAM peak (no public L2 bandwidth table could be read); the reports name it when it binds"
 
+# Cycles from an instruction's issue until a dependent instruction can read its result, by the
+# interpreter's instruction class (ptxsim Stats.warp_instr's keys): the per-warp latency clock
+# (Machine(latencies=...)) and the model's "warp latency" unit read it. Global loads, cp.async and
+# barriers count 1: memory latency is the "latency" unit's and the pipeline fill's, a barrier's
+# wait is the clock alignment itself.
+LATENCY_CYCLES = {"other": 4, "sfu": 20, "shfl": 30, "ld.shared": 30, "ldmatrix": 30, "atom": 30, "mma": 32,
+                  "ld.global": 1, "st.shared": 1, "st.global": 1, "stmatrix": 1, "cp.async": 1, "branch": 1,
+                  "barrier": 1}
+_LATENCY = ("assumed: the order of magnitude microbenchmark papers report for Volta to Ampere (dependent "
+            "FFMA ~4 cycles, shared-memory loads ~20-30, HMMA m16n8k16 ~30, MUFU ~20); no sm_90 / sm_120 "
+            "table could be read; the same for every GPU here")
+
+
 def _planner(key: str) -> dict:
     """The rates spec_kernels.attention.plan.DEVICES holds for a named GPU."""
     d = DEVICES[key]
     return dict(sms=d.sms, clock_hz=d.clock_hz, dram_peak_bytes_per_s=d.dram_bytes_per_s,
-                l2_bytes_per_s=2 * d.dram_bytes_per_s,
+                l2_bytes_per_s=d.l2_bytes_per_s,
                 mma_flops_per_clk={"bf16": d.mma_flops_per_clk, "f16": d.mma_flops_per_clk},
                 dram_latency_s=d.dram_latency_s, launch_overhead_s=d.launch_overhead_s)
 
@@ -84,7 +97,7 @@ GPUS: dict[str, Gpu] = {
                                  "cited in waynehacking8/blackwell-tensorcore-kernels results/mma_ablation.md; "
                                  "peak 989 TFLOPS dense BF16 (H100/H200 datasheets) = 4096 FLOP/clk/SM",
             "shared_wavefronts_per_clk": _SHARED,
-            "dram_latency_s": _LAT, "launch_overhead_s": _LAUNCH,
+            "dram_latency_s": _LAT, "launch_overhead_s": _LAUNCH, "latency_cycles": _LATENCY,
         }),
     "rtx-pro-6000": Gpu(
         "rtx-pro-6000", "NVIDIA RTX PRO 6000 Blackwell (sm_120)", "sm_120a", **_planner("rtx-pro-6000"),
@@ -97,7 +110,7 @@ GPUS: dict[str, Gpu] = {
                                  "(waynehacking8/blackwell-tensorcore-kernels results/mma_rate_probe.csv): "
                                  "FP32 accumulate at full rate",
             "shared_wavefronts_per_clk": _SHARED,
-            "dram_latency_s": _LAT, "launch_overhead_s": _LAUNCH,
+            "dram_latency_s": _LAT, "launch_overhead_s": _LAUNCH, "latency_cycles": _LATENCY,
         }),
     # calibration only (calibration.py): GPUs that published figures were measured on
     "a100": Gpu(
@@ -112,7 +125,7 @@ GPUS: dict[str, Gpu] = {
             "l2_bytes_per_s": _L2,
             "mma_flops_per_clk": "derived: 312 TFLOPS dense FP16/BF16 (A100 datasheet) / (108 SMs x 1.41 GHz)",
             "shared_wavefronts_per_clk": _SHARED,
-            "dram_latency_s": _LAT, "launch_overhead_s": _LAUNCH,
+            "dram_latency_s": _LAT, "launch_overhead_s": _LAUNCH, "latency_cycles": _LATENCY,
         }),
 }
 

@@ -7,7 +7,9 @@ the tensor cores) needs k x (its per-CTA work) / (its rate); the memory system n
 DRAM and L2 bytes over their bandwidths; and a memory stream of one CTA runs no faster than its
 bytes in flight per DRAM latency (Little's law, which is what leaves a GPU with few CTAs short of
 bandwidth; it is modelled where the kernel's in-flight bytes are known, its cp.async stages). The
-slowest of these is the bottleneck; the launch adds one pipeline fill (its chain of dependent
+slowest of these is the bottleneck (with the interpreter's per-warp latency clock, also the "warp
+latency" unit: the busiest warp's dependent-latency critical path, once per round of the CTAs an
+SM holds together, whose warps share its schedulers and hide each other's waits); the launch adds one pipeline fill (its chain of dependent
 global loads, each a DRAM latency: later waves overlap the earlier ones' tails) and the launch
 overhead.
 
@@ -54,10 +56,13 @@ class Work:
     dram_bytes: float  # distinct bytes read and written (32-byte sectors)
     in_flight_bytes: float  # most bytes one CTA has in flight (cp.async stages)
     load_chain: int  # dependent global loads before the first tile can start
+    warp_cycles: float = 0.0  # the busiest warp's dependent-latency critical path (0: not counted)
+    warp_cycles_in_order: float = 0.0  # the same, issuing in PTX order (no reordering)
 
     def scaled(self, k: float) -> "Work":
         return Work(self.issue * k, self.shared_wavefronts * k, {d: f * k for d, f in self.tensor_flops.items()},
-                    self.l2_bytes * k, self.dram_bytes * k, self.in_flight_bytes, self.load_chain)
+                    self.l2_bytes * k, self.dram_bytes * k, self.in_flight_bytes, self.load_chain,
+                    self.warp_cycles * k, self.warp_cycles_in_order * k)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -71,6 +76,9 @@ class Prediction:
     waves: int
     ctas: int
     resident: int
+    # the time with the warps' latency clock in PTX order (no reordering by the compiler): the
+    # other end of the range the "warp latency" unit (a perfect schedule) opens
+    seconds_in_order: float = 0.0
 
     @property
     def of_floor(self) -> float:
@@ -102,6 +110,9 @@ def predict(gpu: Gpu, work: Work, ctas: int, resident: int, *, ideal_bytes: floa
         "L2": ctas * work.l2_bytes / gpu.l2_bytes_per_s,
         "DRAM": (ctas * work.dram_bytes if launch_dram_bytes is None else launch_dram_bytes) / gpu.dram_bytes_per_s,
     }
+    rounds = math.ceil(per_sm / concurrent)  # the CTAs that share the SM's schedulers hide each other's waits
+    if work.warp_cycles > 0:
+        units["warp latency"] = rounds * work.warp_cycles / clk
     if work.in_flight_bytes > 0:
         per_cta_rate = work.in_flight_bytes / gpu.dram_latency_s
         share = 1.0 if launch_dram_bytes is None else min(1.0, launch_dram_bytes / max(ctas * work.dram_bytes, 1.0))
@@ -109,10 +120,12 @@ def predict(gpu: Gpu, work: Work, ctas: int, resident: int, *, ideal_bytes: floa
     bottleneck = max(units, key=units.get)
     fill = work.load_chain * gpu.dram_latency_s  # the first tile's dependent loads; later waves overlap
     seconds = units[bottleneck] + fill + launches * gpu.launch_overhead_s
+    in_order = max(units[bottleneck], rounds * work.warp_cycles_in_order / clk) + fill + launches * gpu.launch_overhead_s
     floor = {"DRAM": ideal_bytes / gpu.dram_peak_bytes_per_s,
              "tensor": ideal_flops / (gpu.tensor_flops_per_clk(flops_dtype) * gpu.sms * clk) if ideal_flops else 0.0}
     floor_unit = max(floor, key=floor.get)
-    return Prediction(gpu.key, seconds, bottleneck, units, floor[floor_unit], floor_unit, waves, ctas, resident)
+    return Prediction(gpu.key, seconds, bottleneck, units, floor[floor_unit], floor_unit, waves, ctas, resident,
+                      in_order)
 
 
 def combine(parts: list[Prediction], *, ideal_bytes: float, gpu: Gpu, ideal_flops: float = 0.0,
@@ -132,7 +145,8 @@ def combine(parts: list[Prediction], *, ideal_bytes: float, gpu: Gpu, ideal_flop
         for u, s in p.units.items():
             units[u] = units.get(u, 0.0) + s
     return Prediction(gpu.key, seconds, longest.bottleneck, units, floor[floor_unit], floor_unit,
-                      sum(p.waves for p in parts), longest.ctas, longest.resident)
+                      sum(p.waves for p in parts), longest.ctas, longest.resident,
+                      sum(p.seconds_in_order or p.seconds for p in parts))
 
 
 def work_from_stats(stats: Mapping, ctas: int, schedulers: int = 4) -> Work:
@@ -144,7 +158,9 @@ def work_from_stats(stats: Mapping, ctas: int, schedulers: int = 4) -> Work:
                 tensor_flops={d: f / ctas for d, f in mma_flops(stats.get("mma", {})).items()},
                 l2_bytes=stats["l2_sector_requests"] * 32 / ctas, dram_bytes=dram / ctas,
                 in_flight_bytes=stats.get("cp_async_bytes_in_flight_max", 0),
-                load_chain=stats.get("longest_dependent_global_load_chain", 0))
+                load_chain=stats.get("longest_dependent_global_load_chain", 0),
+                warp_cycles=stats.get("warp_latency_cycles_max", 0),
+                warp_cycles_in_order=stats.get("warp_latency_cycles_in_order_max", 0))
 
 
 def fit_linear(x0: float, w0: Work, x1: float, w1: Work, x: float) -> Work:
@@ -160,7 +176,8 @@ def fit_linear(x0: float, w0: Work, x1: float, w1: Work, x: float) -> Work:
     return Work(lerp(w0.issue, w1.issue), lerp(w0.shared_wavefronts, w1.shared_wavefronts),
                 {d: lerp(w0.tensor_flops.get(d, 0.0), w1.tensor_flops.get(d, 0.0)) for d in dtypes},
                 lerp(w0.l2_bytes, w1.l2_bytes), lerp(w0.dram_bytes, w1.dram_bytes),
-                max(w0.in_flight_bytes, w1.in_flight_bytes), max(w0.load_chain, w1.load_chain))
+                max(w0.in_flight_bytes, w1.in_flight_bytes), max(w0.load_chain, w1.load_chain),
+                lerp(w0.warp_cycles, w1.warp_cycles), lerp(w0.warp_cycles_in_order, w1.warp_cycles_in_order))
 
 
 def expected_range(seconds: float) -> tuple[float, float]:

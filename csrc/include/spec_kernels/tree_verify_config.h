@@ -100,20 +100,26 @@ constexpr LaunchShape tree_verify_config_shape(int head_dim, int block_m, bool f
 }
 
 // The configuration a launch takes (block_m 0: head_dim has none). At D = 128: 128 rows per CTA
-// for more than 64 rows (each K/V tile read once for all of them), and 32 for at most 16 rows
-// where two such CTAs fit on an SM and two 64-row ones do not (smem_per_sm: the device's shared
-// memory per SM, smem_reserved_per_cta: what the runtime keeps of it per CTA); else 64.
+// for more than 64 rows (each K/V tile read once for all of them). Where two 64-row CTAs do not
+// fit on an SM (sm_120; smem_per_sm: the device's shared memory per SM, smem_reserved_per_cta:
+// what the runtime keeps of it per CTA): 32 rows for at most 16 rows, where two such CTAs fit,
+// and 128 rows for 17-64, whose 8 warps (same shared memory; two warps share each 16 rows and
+// take half of every tile's keys) give each warp scheduler two warps instead of one to hide
+// its latencies. Else 64.
 constexpr LaunchShape tree_verify_launch_shape(int head_dim, int max_rows, int smem_per_sm,
                                                int smem_reserved_per_cta, bool fp8) {
   int block_m = kTreeVerifyBlockM;
+  const int large = (fp8 ? TileConfig<128, 64, true>::kSmemBytes : TileConfig<128>::kSmemBytes) +
+                    smem_reserved_per_cta;
+  const int small = (fp8 ? TileConfig<128, 32, true>::kSmemBytes : TileConfig<128, 32>::kSmemBytes) +
+                    smem_reserved_per_cta;
+  const bool one_large_per_sm = smem_per_sm > 0 && 2 * large > smem_per_sm;  // 0: not known, 64 rows
   if (head_dim == 128 && max_rows > kTreeVerifyBlockM) {
     block_m = 128;
   } else if (head_dim == 128 && max_rows <= 16) {
-    const int large = (fp8 ? TileConfig<128, 64, true>::kSmemBytes : TileConfig<128>::kSmemBytes) +
-                      smem_reserved_per_cta;
-    const int small = (fp8 ? TileConfig<128, 32, true>::kSmemBytes : TileConfig<128, 32>::kSmemBytes) +
-                      smem_reserved_per_cta;
-    if (2 * large > smem_per_sm && 2 * small <= smem_per_sm) block_m = 32;
+    if (one_large_per_sm && 2 * small <= smem_per_sm) block_m = 32;
+  } else if (head_dim == 128 && one_large_per_sm) {
+    block_m = 128;
   }
   return tree_verify_config_shape(head_dim, block_m, fp8);
 }

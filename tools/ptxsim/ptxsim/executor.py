@@ -77,6 +77,12 @@ class Stats:
         self.fences = 0              # warp-instructions of fence / membar (each warp that runs one waits on it)
         self.releases = 0            # warp-instructions of st / atom / red with release semantics (a fence each)
         self.load_chain = 0          # longest chain of dependent global loads seen by one thread
+        # with Machine(latencies=...): each warp's dependent-latency critical path in cycles: an
+        # instruction starts when its source registers are ready (in any order a scheduler could
+        # pick: the issue count is a separate bound) and not before the warp's last barrier or
+        # cp.async wait; barriers align the clocks of a CTA's warps
+        self.warp_cycles = None
+        self.warp_cycles_in_order = None  # the same, issuing in PTX order (no reordering): the upper bound
         self.region_read = {}        # allocation name -> bytes read (all launches of the run)
         self.groups_max = 0
 
@@ -142,7 +148,13 @@ class Stats:
                 "unique_bytes_written_by_buffer": dict(self.unique_written_by_buffer),
                 "bytes_written_by_buffer": dict(self.written_by_buffer),
                 "cp_async_bytes_in_flight_max": self.cp_inflight_max,
-                "issue_per_scheduler_max": int(sched.max()) if sched.size else 0}
+                "issue_per_scheduler_max": int(sched.max()) if sched.size else 0,
+                "warp_latency_cycles_max": _max(self.warp_cycles),
+                "warp_latency_cycles_in_order_max": _max(self.warp_cycles_in_order)}
+
+
+def _max(a) -> int:
+    return int(a.max()) if a is not None and a.size else 0
 
 
 def _klass(op):
@@ -292,6 +304,14 @@ class _Run:
         self.stats = Stats()
         self.stats.per_warp = np.zeros(self.n_cta * self.wpc, np.int64)
         self.stats.warps_per_cta = self.wpc
+        if machine.latencies is not None:
+            self.stats.warp_cycles = np.zeros(self.n_cta * self.wpc, np.int64)
+            self.ready = {}  # register -> per-warp cycle its last write is readable
+            self.warp_floor = np.zeros(self.n_cta * self.wpc, np.int64)  # no instruction starts before it
+            # the same clock for a warp that issues in PTX order (what no reordering would give)
+            self.stats.warp_cycles_in_order = np.zeros(self.n_cta * self.wpc, np.int64)
+            self.ready_in_order, self.warp_floor_in_order = {}, np.zeros(self.n_cta * self.wpc, np.int64)
+            self.deps = [None] * len(e.instrs)  # per pc: (source registers, destination registers, latency)
         self.cp_inflight = np.zeros(self.n_cta, np.int64)  # cp.async bytes issued, not yet waited for
         cfg = e.__dict__.get("_cfg")  # per entry (the parse is cached): the analysis takes seconds on big kernels
         if cfg is None:
@@ -333,8 +353,12 @@ class Machine:
     check_races: shared-memory race / never-written checks; max_smem: per-CTA limit (99 KB, sm_120)."""
 
     def __init__(self, mma: str = "fast", check_races: bool = True, max_smem: int = 99 * 1024,
-                 spin_limit: int = 2_000_000, max_instructions: int = 200_000_000, arch: str = "sm_120"):
+                 spin_limit: int = 2_000_000, max_instructions: int = 200_000_000, arch: str = "sm_120",
+                 latencies: Optional[dict] = None):
         self.mem = GlobalMemory()
+        # instruction class (Stats.warp_instr's keys) -> cycles until its result can be read;
+        # None: the per-warp latency clock is not kept (it costs run time)
+        self.latencies = dict(latencies) if latencies else None
         self.mma_mode = mma
         self.check_races = check_races
         self.max_smem = max_smem
@@ -469,6 +493,12 @@ class Machine:
             return
         for cta in np.nonzero(complete & (arr_per > 0))[0]:
             r.smem.cta_epoch[cta] += 1
+            if r.stats.warp_cycles is not None:  # every warp leaves the barrier when the last arrives
+                for wc, floor in ((r.stats.warp_cycles, r.warp_floor),
+                                  (r.stats.warp_cycles_in_order, r.warp_floor_in_order)):
+                    wc = wc[cta * r.wpc:(cta + 1) * r.wpc]
+                    wc[:] = wc.max()
+                    floor[cta * r.wpc:(cta + 1) * r.wpc] = wc
         new = []
         for g in r.groups:
             if g.state != "bar":
@@ -559,6 +589,9 @@ class Machine:
             count += max(nw, 1)
             st.thread_instr += tids.size
             klass = _klass(ins.opcode)
+            if st.warp_cycles is not None and tids.size:
+                self._tick(r, pc, ins, klass, slice(r.warp_of[tids[0]], r.warp_of[tids[-1]] + 1)
+                           if isinstance(sel, slice) else ws)
             st.warp_instr[klass] += nw
             if klass == "mma":
                 st.mma[ins.opcode] += nw
@@ -590,6 +623,44 @@ class Machine:
                 return count
             if g.stack and g.stack[-1].pc in leaders:
                 return count
+
+    _NO_DEST = ("st", "red", "cp", "bar", "barrier", "fence", "membar", "bra", "ret", "exit", "prefetch", "trap")
+
+    def _tick(self, r, pc, ins, klass, warps):
+        """Advance the clocks of `warps` over one instruction: it starts when its last source
+        register is ready (not before the warp's floor: its last barrier or cp.async wait) and
+        its destinations are ready `latency` cycles later; the warp's clock is the latest start
+        + 1. A cp.async wait raises the floor to the clock: what follows it waits for it."""
+        dep = r.deps[pc]
+        if dep is None:
+            srcs, dsts = [], []
+            writes = ins.opcode.split(".")[0] not in self._NO_DEST
+            for i, o in enumerate(ins.operands):
+                items = o.items if o.kind == "vec" else (o,)
+                names = [x.name for x in items if x.kind in ("reg", "negpred") or (x.kind == "mem" and x.base_kind == "reg")]
+                (dsts if i == 0 and writes and o.kind != "mem" else srcs).extend(names)
+            if ins.guard is not None:
+                srcs.append(ins.guard)
+            dep = r.deps[pc] = (tuple(srcs), tuple(dsts), int(self.latencies.get(klass, self.latencies.get("other", 1))))
+        srcs, dsts, lat = dep
+        for clock, floor, ready_of, in_order in ((r.stats.warp_cycles, r.warp_floor, r.ready, False),
+                                                 (r.stats.warp_cycles_in_order, r.warp_floor_in_order,
+                                                  r.ready_in_order, True)):
+            start = floor[warps]
+            if in_order:  # and after the instruction before it in PTX order: no reordering at all
+                start = np.maximum(start, clock[warps])
+            for x in srcs:
+                ready = ready_of.get(x)
+                if ready is not None:
+                    start = np.maximum(start, ready[warps])
+            clock[warps] = np.maximum(clock[warps], start + 1)
+            if ins.opcode.startswith("cp.async.wait"):
+                floor[warps] = clock[warps]
+            for x in dsts:
+                ready = ready_of.get(x)
+                if ready is None:
+                    ready = ready_of[x] = np.zeros(clock.size, np.int64)
+                ready[warps] = start + lat
 
     def _exit(self, r, g, tids):
         r.alive[tids] = False
