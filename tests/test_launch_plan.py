@@ -130,6 +130,28 @@ def test_modelled_time_at_a_forced_count_is_the_planners_own(gpu):
         assert lp.plan.seconds <= cheapest / (1 - ap.COST_TOLERANCE), shape
 
 
+def test_the_docs_forced_split_table_is_the_planners_cost():
+    """docs/speed_of_light.md prints the planner's cost of the forced-split benchmark's shapes at
+    each forced count (what a GPU run is compared with): the table must be today's cost."""
+    from benchmarks._timing import PRESETS, SPLIT_COUNTS, SPLIT_SHAPES
+
+    preset = next(p for p in PRESETS.values() if p.split_shapes == SPLIT_SHAPES)
+    (hq, hkv), d = preset.heads[0], preset.head_dim
+
+    doc = (ROOT / "docs" / "speed_of_light.md").read_text()
+    names = {"H200": "h200", "RTX PRO 6000": "rtx-pro-6000"}
+    head = "| GPU | B | planned | " + " | ".join(map(str, SPLIT_COUNTS)) + " |"
+    assert head in doc, "the forced-split table's header names other counts than SPLIT_COUNTS"
+    rows = doc.split(head, 1)[1].split("\n")[2:]
+    want = []
+    for gpu in names:
+        for B, L, n in SPLIT_SHAPES:
+            lp = bp.launch_plan(bp.Shape("bench", B, hq, hkv, d, L, n), ap.DEVICES[names[gpu]], "cuda")
+            cells = [gpu, str(B), f"{lp.plan.splits} ({lp.plan.limit})"]
+            want.append("| " + " | ".join(cells + [f"{lp.seconds_at(k) * 1e6:.1f}" for k in SPLIT_COUNTS]) + " |")
+    assert rows[:len(want)] == want
+
+
 def test_the_partials_are_weighed_against_the_waves():
     """A 128-row CTA (n = 16 at GQA 8) writes 64 KB of fp32 partials per split, half of what a
     256-key split reads: at B = 32 on the RTX PRO 6000 the wave rule split each request 10 ways

@@ -16,8 +16,9 @@ tokens, temperature 0), a warm-up and three load levels (concurrency 1, 2 and 4)
 JSON. Asserted here: every greedy output of every server equals transformers' own greedy
 generation, the acceptance length exceeds 1.3, the adaptive config is the policy's on the
 measured costs and reaches SGLang (the adaptive server verifies drafts exactly where its slots
-say so, eagle_off never does), the policy's prediction for the adaptive server is within 50% of
-what it measured, and ``python -m spec_kernels.policy`` accepts the file as costs and acceptance.
+say so, eagle_off never does), the policy's prediction for the adaptive server is the static
+servers' measurements composed (exactly) and within a factor of 2 of what the adaptive server
+measured (the noise of a shared CPU is large; docs/sglang.md), and ``python -m spec_kernels.policy`` accepts the file as costs and acceptance.
 
 Throughput itself is reported (terminal summary, ``SERVE_CHECK`` below), not asserted: on this CPU
 set-up the draft's extend is one layer against the target's two and every kernel runs in the
@@ -103,6 +104,8 @@ def test_serve_check_tiny(models, tmp_path):
     adaptive = result["adaptive"]
     assert adaptive["config"] == sglang_adaptive_config(costs, configs, max(CONCURRENCY))
     assert json.loads(open(adaptive["config_path"]).read()) == adaptive["config"]
+    eagle_at = {lv["concurrency"]: lv for lv in levels["eagle"]}
+    off_at = {lv["concurrency"]: lv for lv in levels["eagle_off"]}
     adaptive_log = (tmp_path / "serve_check.adaptive.log").read_text(errors="replace")
     for row, lv in zip(adaptive["per_concurrency"], levels["adaptive"]):
         c = row["concurrency"]
@@ -114,7 +117,17 @@ def test_serve_check_tiny(models, tmp_path):
             assert lv["verify_steps"] > 0 or switched, f"C={c}: the policy said draft, the adaptive server did not"
         if all(_slot_steps(adaptive["config"], b) == 0 for b in range(1, c + 1)):
             assert lv["verify_steps"] == 0, f"C={c}: the policy said drafting off, the adaptive server drafted"
-        assert abs(row["prediction_error"]) < 0.5, row
+        # The prediction composes the static servers' measurements: at a measured B the chain's
+        # tok/s is that server's, rescaled to the run's tau; drafting off is eagle_off's.
+        if row["policy_steps"] > 0:
+            e = eagle_at[c]
+            composed = e["output_tok_s"] * config["tau"] / e["tau"]
+        else:
+            composed = off_at[c]["output_tok_s"]
+        assert row["predicted_tok_s"] == pytest.approx(composed, rel=1e-9), row
+        # Against the adaptive server, measured minutes later on cores another test worker shares,
+        # only gross errors are asserted (docs/sglang.md records the noise).
+        assert 0.5 < row["predicted_tok_s"] / row["adaptive_tok_s"] < 2.0, row
     SERVE_CHECK.update(config=adaptive["config"], rows=adaptive["per_concurrency"])
 
     from spec_kernels.policy.__main__ import main as policy_main

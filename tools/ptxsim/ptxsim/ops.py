@@ -400,7 +400,8 @@ def _arith(fn_int, fn_float=None, fn_float_ftz_ok=True):
 
             def f(sel, tids):
                 vals = [_bcast(x(sel, tids), tids).view(np.float32).reshape(-1, 2) for x in fa]
-                res = _f32(fn_float(*[v.astype(np.float64) for v in vals], mods, "f32")).reshape(-1)
+                with np.errstate(invalid="ignore", over="ignore"):  # IEEE results (NaN, inf), as on the GPU
+                    res = _f32(fn_float(*[v.astype(np.float64) for v in vals], mods, "f32")).reshape(-1)
                 dst(sel, tids, res.view(np.uint64))
             return _op(f)
         fa = [c.rd(o, typ) for o in ops[1:]]
@@ -413,8 +414,9 @@ def _arith(fn_int, fn_float=None, fn_float_ftz_ok=True):
                 vals = [x(sel, tids) for x in fa]
                 if "ftz" in mods:
                     vals = [ex.ftz(v) for v in vals]
-                res = fn_float(*[np.asarray(v, np.float64) for v in vals], mods, typ)
-                res = np.asarray(res).astype(_NP[typ])
+                with np.errstate(invalid="ignore", over="ignore"):  # IEEE results (NaN, inf), as on the GPU
+                    res = fn_float(*[np.asarray(v, np.float64) for v in vals], mods, typ)
+                    res = np.asarray(res).astype(_NP[typ])
                 if "ftz" in mods:
                     res = ex.ftz(res)
                 dst(sel, tids, _bcast(res, tids))
