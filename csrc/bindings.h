@@ -28,7 +28,8 @@ void tree_verify_attention(const at::Tensor& q, const at::Tensor& k_cache, const
 std::vector<int64_t> tree_verify_launch_config(int64_t head_dim, int64_t max_rows, int64_t smem_per_sm,
                                                int64_t smem_reserved_per_cta, bool kv_fp8);
 std::string tree_verify_configs();
-std::vector<int64_t> mla_launch_config(int64_t max_rows, bool kv_fp8);
+std::vector<int64_t> mla_launch_config(int64_t max_rows, int64_t smem_per_sm, int64_t smem_reserved_per_cta,
+                                       bool kv_fp8);
 std::string mla_configs();
 
 void mla_tree_verify_attention(const at::Tensor& q, const at::Tensor& kv_cache, const at::Tensor& kv_indptr,

@@ -97,7 +97,8 @@ TORCH_LIBRARY(spec_kernels_cuda, m) {
   m.def("tree_verify_launch_config(int head_dim, int max_rows, int smem_per_sm, int smem_reserved_per_cta, "
         "bool kv_fp8=False) -> int[]",
         &b::tree_verify_launch_config);
-  m.def("mla_launch_config(int max_rows, bool kv_fp8=False) -> int[]", &b::mla_launch_config);
+  m.def("mla_launch_config(int max_rows, int smem_per_sm, int smem_reserved_per_cta, bool kv_fp8=False) -> int[]",
+        &b::mla_launch_config);
   m.def("tree_mask_from_parents(Tensor parents, Tensor qo_indptr, Tensor(a!) tree_mask) -> ()");
   m.impl("tree_mask_from_parents", c10::DispatchKey::CUDA, &b::tree_mask_from_parents);
   m.def(

@@ -64,7 +64,8 @@ def compiled_constants() -> Optional[dict[str, int]]:
 class LaunchShape:
     """The host half of a CUDA attention launch (csrc/include/spec_kernels/launch_shape.h): the
     configuration compiled for `head_dim` with `block_m` query rows per CTA (0: none), its threads,
-    dynamic shared memory, registers per thread (ptxas) and __launch_bounds__ CTAs per SM.
+    dynamic shared memory, registers per thread (ptxas), __launch_bounds__ CTAs per SM and keys
+    per KV tile (`block_n`, which tells apart configurations of equal block_m).
     `kernel` / `template_args` name the instance (e.g. tree_verify_kernel, "128,32")."""
 
     head_dim: int
@@ -74,6 +75,7 @@ class LaunchShape:
     regs: int
     min_ctas_per_sm: int
     kv_fp8: int = 0  # 1: the instance for fp8 KV caches
+    block_n: int = 0
     kernel: str = ""
     template_args: str = ""
 
@@ -95,11 +97,14 @@ def kernel_configs() -> tuple[LaunchShape, ...]:
     return tuple(out)
 
 
-def kernel_config(kernel: str, head_dim: int, block_m: int, kv_fp8: bool = False) -> LaunchShape:
-    """The compiled configuration of `kernel` for (head_dim, block_m) and the cache kind (kv_fp8:
-    the fp8-cache instance); ValueError naming the compiled ones when there is none."""
+def kernel_config(kernel: str, head_dim: int, block_m: int, kv_fp8: bool = False,
+                  block_n: Optional[int] = None) -> LaunchShape:
+    """The compiled configuration of `kernel` for (head_dim, block_m), the cache kind (kv_fp8:
+    the fp8-cache instance) and, where block_m has more than one, `block_n` keys per tile (None:
+    the first listed); ValueError naming the compiled ones when there is none."""
     for c in kernel_configs():
-        if (c.kernel, c.head_dim, c.block_m, c.kv_fp8) == (kernel, head_dim, block_m, int(kv_fp8)):
+        if ((c.kernel, c.head_dim, c.block_m, c.kv_fp8) == (kernel, head_dim, block_m, int(kv_fp8))
+                and block_n in (None, c.block_n)):
             return c
     have = ", ".join(f"({c.head_dim}, {c.block_m})" for c in kernel_configs()
                      if c.kernel == kernel and c.kv_fp8 == int(kv_fp8))
@@ -119,15 +124,19 @@ def tree_verify_launch_config(head_dim: int, max_rows: int, smem_per_sm: int, sm
 
 
 @functools.lru_cache(maxsize=4096)
-def mla_launch_config(max_rows: int, kv_fp8: bool = False) -> LaunchShape:
-    """The configuration a CUDA MLA launch of `max_rows` takes (the same on every device; kv_fp8:
-    its fp8-cache instance)."""
-    return _named(_shape(cuda_ops().mla_launch_config(max_rows, bool(kv_fp8))), "mla_tree_verify_kernel")
+def mla_launch_config(max_rows: int, smem_per_sm: int = 0, smem_reserved_per_cta: int = 0,
+                      kv_fp8: bool = False) -> LaunchShape:
+    """The configuration a CUDA MLA launch of `max_rows` takes on a device with that shared memory
+    (0: not known) and that cache kind (mla_launch_shape in the C++): its rows per CTA are the
+    same on every device; at 64 rows the k-split configuration where it fits (sm_90)."""
+    shape = _shape(cuda_ops().mla_launch_config(max_rows, smem_per_sm, smem_reserved_per_cta, bool(kv_fp8)))
+    return _named(shape, "mla_tree_verify_kernel")
 
 
 def _named(shape: LaunchShape, kernel: str) -> LaunchShape:
     for c in kernel_configs():
-        if (c.kernel, c.head_dim, c.block_m, c.kv_fp8) == (kernel, shape.head_dim, shape.block_m, shape.kv_fp8):
+        if ((c.kernel, c.head_dim, c.block_m, c.kv_fp8, c.block_n)
+                == (kernel, shape.head_dim, shape.block_m, shape.kv_fp8, shape.block_n)):
             return c
     return shape  # block_m 0: no configuration
 

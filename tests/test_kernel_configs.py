@@ -47,10 +47,25 @@ def test_every_tree_verify_configuration_is_reachable_from_the_planner():
     assert unreachable(configs, tv_cuda.cuda_tree_verify_block_m) == set()
 
 
+def mla_reached() -> dict:
+    """{(block_m, block_n, kv_fp8): the named GPUs whose launches take that MLA configuration}."""
+    reached = {}
+    for name, limits in DEVICES.items():
+        for rows in ROWS:
+            for fp8 in (False, True):
+                s = mla_cuda.launch_config(rows, limits, fp8)
+                reached.setdefault((s.block_m, s.block_n, s.kv_fp8), set()).add(name)
+    return reached
+
+
 def test_every_mla_configuration_is_reachable_from_the_planner():
     configs = _configs(mla_cuda.KERNEL)
-    assert {c.block_m for c in configs} == {16, 32, 64}
-    assert unreachable(configs, lambda d, rows, limits, fp8: mla_cuda.block_m(rows)) == set()
+    assert {(c.block_m, c.block_n) for c in configs} == {(16, 32), (32, 16), (64, 16), (64, 32)}
+    reached = mla_reached()
+    assert set(reached) == {(c.block_m, c.block_n, c.kv_fp8) for c in configs}
+    # sm_90's k-split configuration (64 rows, 32-key tiles) only where its shared memory fits
+    assert reached[(64, 32, 0)] == reached[(64, 32, 1)] == {"h200"}
+    assert reached[(64, 16, 0)] == {"rtx-pro-6000"}
 
 
 def test_the_reachability_check_catches_a_configuration_no_launch_takes():
@@ -64,11 +79,16 @@ def test_the_planner_uses_the_compiled_resources():
     for c in _configs(tv_cuda.KERNEL):
         r = tv_cuda.cuda_tree_verify_resources(c.head_dim, c.block_m, bool(c.kv_fp8))
         assert (r.threads, r.regs_per_thread, r.smem_bytes) == (c.threads, c.regs, c.smem_bytes)
+    reached = mla_reached()
     for c in _configs(mla_cuda.KERNEL):
-        r = mla_cuda.cuda_mla_resources(c.block_m, bool(c.kv_fp8))
-        assert (r.threads, r.regs_per_thread, r.smem_bytes) == (c.threads, c.regs, c.smem_bytes)
+        for name in reached[(c.block_m, c.block_n, c.kv_fp8)]:
+            r = mla_cuda.cuda_mla_resources(c.block_m, bool(c.kv_fp8), DEVICES[name])
+            assert (r.threads, r.regs_per_thread, r.smem_bytes) == (c.threads, c.regs, c.smem_bytes)
+            assert c.smem_bytes <= DEVICES[name].max_smem_per_cta, (c, name)
     for c in _ops.kernel_configs():
-        assert c.smem_bytes <= 99 * 1024 and c.threads % 32 == 0 and 0 < c.regs <= 255
+        assert c.threads % 32 == 0 and 0 < c.regs <= 255
+        # every tree-verify configuration runs on sm_120 (99 KB); MLA's: as reached above
+        assert c.smem_bytes <= (99 if c.kernel == tv_cuda.KERNEL else 227) * 1024, c
 
 
 def test_a_head_dim_without_a_configuration():
@@ -85,7 +105,10 @@ def test_the_exported_launch_rule_refuses_bad_arguments(args, name):
     with pytest.raises(RuntimeError, match=name):
         torch.ops.spec_kernels_cuda.tree_verify_launch_config(*args)
     with pytest.raises(RuntimeError, match="max_rows"):
-        torch.ops.spec_kernels_cuda.mla_launch_config(0)
+        torch.ops.spec_kernels_cuda.mla_launch_config(0, 0, 0)
+    if name != "head_dim":
+        with pytest.raises(RuntimeError, match=name):
+            torch.ops.spec_kernels_cuda.mla_launch_config(*args[1:])
 
 
 @pytest.mark.parametrize("name", ["TreeVerifyParams", "MlaParams", "IndexTensor", "KvSlotBatch", "KvCommitArgs"])
@@ -108,10 +131,13 @@ int main() {
           const auto c = spec_kernels::tree_verify_launch_shape(d, rows, s[0], s[1], fp8 != 0);
           std::printf("tv %d %d %d %d %d %d %d %d\n", d, rows, s[0], s[1], fp8, c.block_m, c.threads, c.smem_bytes);
         }
-  for (int rows = 1; rows <= 130; ++rows) {
-    const auto c = spec_kernels::mla_launch_shape(rows, false);
-    std::printf("mla %d %d %d %d\n", rows, c.block_m, c.threads, c.smem_bytes);
-  }
+  for (int rows = 1; rows <= 130; ++rows)
+    for (const auto& s : smem)
+      for (int fp8 = 0; fp8 < 2; ++fp8) {
+        const auto c = spec_kernels::mla_launch_shape(rows, s[0], s[1], fp8 != 0);
+        std::printf("mla %d %d %d %d %d %d %d %d\n", 576, rows, s[0], s[1], fp8, c.block_m, c.threads, c.smem_bytes);
+        std::printf("mla_n %d %d %d %d %d %d 0 0\n", 576, rows, s[0], s[1], fp8, c.block_n);
+      }
 }
 """
 SMEM_CASES = [(0, 0)] + [(d.smem_per_sm, d.smem_reserved_per_cta) for d in DEVICES.values()]
@@ -122,7 +148,8 @@ def launch_rule_table(tmp_path, patch=None) -> dict:
     """The launch rule of the configuration headers compiled with the host C++ compiler, over
     head dims x rows 1..130 x the named GPUs' shared memory x cache kind: {("tv", d, rows, per_sm,
     reserved, fp8) or
-    ("mla", rows): (block_m, threads, smem_bytes)}. patch = (header, old, new) compiles a mutant."""
+    reserved, fp8) or ("mla", 576, rows, per_sm, reserved, fp8): (block_m, threads, smem_bytes), and
+    ("mla_n", ...): (block_n, 0, 0)}. patch = (header, old, new) compiles a mutant."""
     import shutil
     import subprocess
 
@@ -148,8 +175,7 @@ def launch_rule_table(tmp_path, patch=None) -> dict:
     for line in out.splitlines():
         kind, *vals = line.split()
         vals = [int(v) for v in vals]
-        key = (kind, *vals[:5]) if kind == "tv" else (kind, vals[0])
-        table[key] = tuple(vals[5:] if kind == "tv" else vals[1:])
+        table[(kind, *vals[:5])] = tuple(vals[5:])
     return table
 
 
@@ -165,7 +191,12 @@ def check_launch_rule(table) -> None:
                 # sm_120 (one 64-row CTA per SM): 32 rows up to 16, the 8-warp 128-row one for 17-64
                 want = 128 if rows > 64 else (32 if rows <= 16 else 128) if smem == rtx else 64
                 assert bm[("tv", 128, rows, *smem, fp8)] == want, (rows, smem, fp8)
-        assert bm[("mla", rows)] == (16 if rows <= 16 else 32 if rows <= 32 else 64)
+            for fp8 in (0, 1):
+                mla = (576, rows, *smem, fp8)
+                assert bm[("mla", *mla)] == (16 if rows <= 16 else 32 if rows <= 32 else 64)
+                # 64 rows: 32-key tiles (k split) where the configuration fits (sm_90), else 16
+                want_n = 32 if rows <= 16 else 16 if rows <= 32 else 32 if smem == h200 else 16
+                assert bm[("mla_n", *mla)] == want_n, (rows, smem, fp8)
     assert table[("tv", 128, 65, *h200, 0)][1:] == (256, 98 * 1024)  # 8 warps, the 64-row stages
     # fp8: byte stages (48 KB) and one converted K and V tile (32 KB) + the slot ids
     assert table[("tv", 128, 65, *h200, 1)][1:] == (256, 82 * 1024)
@@ -175,7 +206,11 @@ def test_the_compiled_launch_rule_is_the_extensions(tmp_path):
     table = launch_rule_table(tmp_path)
     check_launch_rule(table)
     for key, (block_m, threads, smem) in table.items():
-        got = (_ops.tree_verify_launch_config(*key[1:]) if key[0] == "tv" else _ops.mla_launch_config(key[1]))
+        if key[0] == "mla_n":
+            assert _ops.mla_launch_config(*key[2:-1], bool(key[-1])).block_n == block_m, key
+            continue
+        got = (_ops.tree_verify_launch_config(*key[1:]) if key[0] == "tv"
+               else _ops.mla_launch_config(*key[2:-1], bool(key[-1])))
         assert (got.block_m, got.threads if block_m else 0, got.smem_bytes if block_m else 0) == (
             block_m, threads if block_m else 0, smem if block_m else 0), key
 
@@ -188,6 +223,8 @@ LAUNCH_RULE_MUTANTS = {
     "wide_from_33_rows": ("tree_verify_config.h", "(head_dim == 128 && one_large_per_sm)",
                           "(head_dim == 128 && one_large_per_sm && max_rows > 32)"),
     "unknown_smem_counts_as_small": ("tree_verify_config.h", "smem_per_sm > 0 && ", ""),
+    "mla_k_split_on_sm120": ("mla_config.h", "wide <= smem_per_sm", "wide <= 2 * smem_per_sm"),
+    "mla_k_split_for_32_rows": ("mla_config.h", "block_m == 64 && smem_per_sm", "block_m >= 32 && smem_per_sm"),
     "mla_rows_swapped": ("mla.h", "max_rows <= 16 ? 16 : max_rows <= 32 ? 32 : 64",
                          "max_rows <= 16 ? 16 : max_rows <= 48 ? 32 : 64"),
 }

@@ -127,15 +127,17 @@ def test_report_on_the_mla_kernel_meets_its_targets(tmp_path):
     converts through f32; the 64-row CTA amortises it over the most rows)."""
     rows, _ = _run_report(tmp_path, "csrc/mla/mla_tree_verify_attention.cu", "mla_tree_verify_kernel")
     by_name = {r["kernel"]: r for r in rows}
-    assert set(by_name) >= {f"mla_tree_verify_kernel<__nv_bfloat16, {m}, {f}>" for m in (1, 2, 4)
+    assert set(by_name) >= {f"mla_tree_verify_kernel<__nv_bfloat16, {m}, {f}, {k}>" for m, k in ((1, 1), (2, 1), (4, 1), (4, 4))
                             for f in ("false", "true")}
-    assert by_name["mla_tree_verify_kernel<__nv_bfloat16, 4, false>"]["threads"] == 256
+    assert by_name["mla_tree_verify_kernel<__nv_bfloat16, 4, false, 1>"]["threads"] == 256
     for row in rows:
         assert row["spill_bytes"] == 0, row
-        assert row["static_smem"] + row["dynamic_smem"] <= 99 * 1024, row
+        # k split 4: sm_90's configuration (227 KB per block there; the launch never takes it on sm_120)
+        sm90_only = row["kernel"].endswith(", 4>")
+        assert row["static_smem"] + row["dynamic_smem"] <= (227 if sm90_only else 99) * 1024, row
         lp = row["loop"]
         assert lp is not None and lp["hmma"] > 0 and lp["round_trips"] <= 1, row
-        bound = 16.0 if row["kernel"].endswith("true>") else 8.0
+        bound = 16.0 if ", true," in row["kernel"] else 8.0
         assert lp["per_hmma"] <= bound, f"{row['kernel']}: {lp['per_hmma']} SASS instructions per HMMA in the KV loop"
 
 

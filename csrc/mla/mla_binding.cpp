@@ -103,16 +103,23 @@ void mla_tree_verify_attention(const at::Tensor& q, const at::Tensor& kv_cache, 
                "mla_tree_verify_attention");
 }
 
-std::vector<int64_t> mla_launch_config(int64_t max_rows, bool kv_fp8) {
+std::vector<int64_t> mla_launch_config(int64_t max_rows, int64_t smem_per_sm, int64_t smem_reserved_per_cta,
+                                       bool kv_fp8) {
   TORCH_CHECK(max_rows >= 1 && max_rows <= (1 << 30), "max_rows must be in [1, 2^30], got ", max_rows);
-  return shape_values(mla_launch_shape(static_cast<int>(max_rows), kv_fp8));
+  TORCH_CHECK(smem_per_sm >= 0 && smem_per_sm <= (1 << 30), "smem_per_sm must be in [0, 2^30], got ", smem_per_sm);
+  TORCH_CHECK(smem_reserved_per_cta >= 0 && smem_reserved_per_cta <= (1 << 20),
+              "smem_reserved_per_cta must be in [0, 2^20], got ", smem_reserved_per_cta);
+  return shape_values(mla_launch_shape(static_cast<int>(max_rows), static_cast<int>(smem_per_sm),
+                                       static_cast<int>(smem_reserved_per_cta), kv_fp8));
 }
 
 std::string mla_configs() {
   std::string s;
-#define SPEC_KERNELS_MLA_LINE(M_TILES, REGS, FP8_REGS)                                                   \
-  s += shape_line("mla_tree_verify_kernel", #M_TILES ",false", mla_instance_shape<M_TILES, false, REGS>()); \
-  s += shape_line("mla_tree_verify_kernel", #M_TILES ",true", mla_instance_shape<M_TILES, true, FP8_REGS>());
+#define SPEC_KERNELS_MLA_LINE(M_TILES, K_SPLIT, REGS, FP8_REGS)                                        \
+  s += shape_line("mla_tree_verify_kernel", #M_TILES ",false," #K_SPLIT,                                 \
+                  mla_instance_shape<M_TILES, K_SPLIT, false, REGS>());                                  \
+  s += shape_line("mla_tree_verify_kernel", #M_TILES ",true," #K_SPLIT,                                  \
+                  mla_instance_shape<M_TILES, K_SPLIT, true, FP8_REGS>());
   SPEC_KERNELS_MLA_CONFIGS(SPEC_KERNELS_MLA_LINE)
 #undef SPEC_KERNELS_MLA_LINE
   return s;

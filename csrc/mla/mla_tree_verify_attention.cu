@@ -84,15 +84,16 @@ __device__ __forceinline__ float ex2(float x) {
 
 // MlaTile<kMTiles> (the tile constants) and the list of configurations: spec_kernels/mla_config.h.
 
-template <typename T, int kMTiles, bool kFp8>
-__global__ void __launch_bounds__(MlaTile<kMTiles, kFp8>::kThreads) mla_tree_verify_kernel(const MlaParams p) {
-  using Tile = MlaTile<kMTiles, kFp8>;
+template <typename T, int kMTiles, bool kFp8, int kKSplit>
+__global__ void __launch_bounds__(MlaTile<kMTiles, kFp8, kKSplit>::kThreads) mla_tree_verify_kernel(const MlaParams p) {
+  using Tile = MlaTile<kMTiles, kFp8, kKSplit>;
   using KvT = std::conditional_t<kFp8, uint8_t, T>;
   constexpr int kThreads = Tile::kThreads, kDvTiles = Tile::kDvTiles;
   constexpr int kQRegSteps = Tile::kQRegSteps, kQStagedChunks = Tile::kQStagedChunks, kQChunks = Tile::kQChunks;
   constexpr int kBlockM = Tile::kBlockM;
   constexpr int kBlockN = Tile::kBlockN;
   constexpr int kNWarps = Tile::kNWarps;
+  constexpr int kOwnN = Tile::kOwnN;
   extern __shared__ __align__(128) uint8_t smem[];
   T* s_q = reinterpret_cast<T*>(smem);
   T* s_conv = s_q + kBlockM * kQChunks * 8;  // fp8: the converted tile [kBlockN][kD]
@@ -103,6 +104,8 @@ __global__ void __launch_bounds__(MlaTile<kMTiles, kFp8>::kThreads) mla_tree_ver
   uint8_t* s_p = reinterpret_cast<uint8_t*>(s_kv + Tile::kStages * Tile::kStageElems);  // [kBlockM][kPStride] bytes
   float* s_red = reinterpret_cast<float*>(s_p + kBlockM * Tile::kPStride);  // [kBlockM][kNWarps]
   uint8_t* s_idx = reinterpret_cast<uint8_t*>(s_red + kNWarps * kBlockM);  // [4][kBlockN] x 8 B
+  // k split: [owner warp][kKSplit - 1 cells][kOwnN][lane] float4s of partial S
+  float4* s_x = reinterpret_cast<float4*>(s_idx + Tile::kIdxStages * kBlockN * 8);
 
   // ---- which rows, which request, which KV range
   const int H = p.num_heads;
@@ -241,7 +244,16 @@ __global__ void __launch_bounds__(MlaTile<kMTiles, kFp8>::kThreads) mla_tree_ver
   // ---- per-thread state
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   const int g = lane / 4, t4 = lane % 4;
-  const int mw = warp % kMTiles, nw = warp / kMTiles;  // this warp's S unit: m tile, 8-key group
+  // k split: the warp's unit (group of kKSplit warps) and its place kq in it; the unit's m tiles
+  // unit_m0.., n8 groups unit_n0..; part kq of the unit (m tile kq / kParts, n8 groups
+  // (kq % kParts) * kOwnN..) is the warp's own. Else unit and own part are one 16 x 8 unit.
+  constexpr int kParts = Tile::kUnitN / kOwnN;  // owned parts across a unit's keys
+  constexpr int kUnitsM = kMTiles / Tile::kUnitM;
+  const int kq = warp % kKSplit, unit = warp / kKSplit;
+  const int unit_m0 = unit % kUnitsM * Tile::kUnitM, unit_n0 = unit / kUnitsM * Tile::kUnitN;
+  // this warp's own part of S: m tile mw, key group nw (8 kOwnN keys)
+  const int mw = Tile::kSplit ? unit_m0 + kq / kParts : warp % kMTiles;
+  const int nw = Tile::kSplit ? (unit_n0 + kq % kParts * kOwnN) / kOwnN : warp / kMTiles;
   // O rows: mt * 16 + g (+ 8) of every m tile; S rows: mw * 16 + g (+ 8)
   float m_i[kMTiles][2];
   float acc[kMTiles][kDvTiles][4];
@@ -288,7 +300,8 @@ __global__ void __launch_bounds__(MlaTile<kMTiles, kFp8>::kThreads) mla_tree_ver
   // P (A of P V): rows mt * 16 + (lane / 8 % 2) * 8 + lane % 8, 8-key chunk 2 ks + lane / 16.
   const uint32_t p_lane = pinned(smem_addr(s_p) + ((lane / 8 % 2) * 8 + x7) * Tile::kPStride + (lane / 16) * 16);
   const uint32_t kv_smem = smem_addr(s_kv), conv_smem = smem_addr(s_conv);
-  const int s_col = static_cast<int>(pinned(nw * 8 + t4 * 2));  // the S unit's first key (of s[0], s[2])
+  // the own part's first key (of s[0][0], s[0][2]); s[j] holds keys 8 j on
+  const int s_col = static_cast<int>(pinned(nw * 8 * kOwnN + t4 * 2));
   const int red_at = static_cast<int>(pinned((mw * 16 + g) * kNWarps + nw));  // s_red cell of row mw * 16 + g
   // A row's kNWarps cells (one per warp of its m tile) in one vector load.
   auto row_cells = [&](int r, float(&c)[kNWarps]) {
@@ -301,7 +314,24 @@ __global__ void __launch_bounds__(MlaTile<kMTiles, kFp8>::kThreads) mla_tree_ver
       c[0] = v.x, c[1] = v.y;
     }
   };
-  uint8_t* const p_at = s_p + pinned((mw * 16 + g) * Tile::kPStride + s_col * 2);  // P of s[0], s[1]
+  uint8_t* const p_at = s_p + pinned((mw * 16 + g) * Tile::kPStride + s_col * 2);  // P of s[0][0], s[0][1]
+  // k split: lane offsets of this warp's first 4 k16 steps (9 kq..); step 9 kq + j + 4 i is 128 bytes
+  // further than step 9 kq + j (its chunks are 8 further: the swizzle keeps the low 3 bits).
+  // Q (A of the unit's m tiles): rows unit_m0 * 16 + (lane / 8 % 2) * 8 + lane % 8 (+ 16);
+  // K (B, 16 keys per ldmatrix): key unit_n0 * 8 + (lane / 16) * 8 + lane % 8 (+ 16), chunk 2 k + lane / 8 % 2.
+  uint32_t qs_off[4], ks_off[4];
+  if constexpr (Tile::kSplit) {
+    const int k0 = kq * Tile::kUnitSteps;
+    const uint32_t q_unit = smem_addr(s_q) + (unit_m0 * 16 + (lane / 8 % 2) * 8 + x7) * kQChunks * 16;
+    const int key = unit_n0 * 8 + (lane / 16) * 8 + x7;
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {
+      const int k = k0 + j;
+      qs_off[j] = pinned(q_unit + (k / 4) * 128 + (((2 * (k % 4) + lane / 16) ^ x7) << 4));
+      ks_off[j] = pinned(key * kRowBytes + (k / 4) * 128 + (((2 * (k % 4) + lane / 8 % 2) ^ x7) << 4));
+    }
+  }
+
 
   // Slot ids of tiles 0 and 1 (with Q) visible to every thread before the first gathers; every
   // gather of tile u is issued with the ids of tile u + 2, one cp.async group per tile.
@@ -359,56 +389,113 @@ __global__ void __launch_bounds__(MlaTile<kMTiles, kFp8>::kThreads) mla_tree_ver
       kv_s = conv_smem;
     }
 
-    // S unit: 16 rows x 8 keys over all 36 k16 steps, even and odd steps in two accumulator chains
-    float s[4], s2[2][4] = {};
+    // s[j]: the own part's n8 group j (16 rows x 8 keys), 4 values per lane as an mma accumulator
+    float s[kOwnN][4];
+    if constexpr (!Tile::kSplit) {
+      // S unit: 16 rows x 8 keys over all 36 k16 steps, even and odd steps in two accumulator chains
+      float s2[2][4] = {};
 #pragma unroll
-    for (int i = 0; i < kKSteps / 2; ++i) {
-      uint32_t b[4];  // k16 step 2 i: b0, b1; step 2 i + 1: b2, b3
-      ldmatrix_x4(b, kv_s + k_off[i % 2] + (i / 2) * 128);
+      for (int i = 0; i < kKSteps / 2; ++i) {
+        uint32_t b[4];  // k16 step 2 i: b0, b1; step 2 i + 1: b2, b3
+        ldmatrix_x4(b, kv_s + k_off[i % 2] + (i / 2) * 128);
 #pragma unroll
-      for (int h = 0; h < 2; ++h) {
-        const int kk = 2 * i + h;
-        if (kk < kQRegSteps) {
-          mma_16816<T>(s2[h], q_reg[kk < kQRegSteps ? kk : 0], b[2 * h], b[2 * h + 1]);
-        } else {
-          uint32_t a[4];
-          ldmatrix_x4(a, q_off[kk % 4] + ((kk - kQStagedChunks / 2) / 4) * 128);
-          mma_16816<T>(s2[h], a, b[2 * h], b[2 * h + 1]);
+        for (int h = 0; h < 2; ++h) {
+          const int kk = 2 * i + h;
+          if (kk < kQRegSteps) {
+            mma_16816<T>(s2[h], q_reg[kk < kQRegSteps ? kk : 0], b[2 * h], b[2 * h + 1]);
+          } else {
+            uint32_t a[4];
+            ldmatrix_x4(a, q_off[kk % 4] + ((kk - kQStagedChunks / 2) / 4) * 128);
+            mma_16816<T>(s2[h], a, b[2 * h], b[2 * h + 1]);
+          }
+        }
+      }
+#pragma unroll
+      for (int e = 0; e < 4; ++e) s[0][e] = s2[0][e] + s2[1][e];
+    } else {
+      // the unit's partial S over this warp's k16 steps: each Q fragment for kUnitN n8 groups, each
+      // K fragment for kUnitM m tiles, kUnitM x kUnitN independent accumulators
+      constexpr int kUM = Tile::kUnitM, kUN = Tile::kUnitN;
+      float ps[kUM][kUN][4] = {};
+#pragma unroll
+      for (int kk = 0; kk < Tile::kUnitSteps; ++kk) {
+        uint32_t a[kUM][4];
+#pragma unroll
+        for (int i = 0; i < kUM; ++i) ldmatrix_x4(a[i], qs_off[kk % 4] + (kk / 4) * 128 + i * 16 * kQChunks * 16);
+#pragma unroll
+        for (int n = 0; n < kUN; n += 2) {
+          uint32_t b[4];  // n8 group n: b0, b1; group n + 1: b2, b3
+          ldmatrix_x4(b, kv_s + ks_off[kk % 4] + (kk / 4) * 128 + n * 8 * kRowBytes);
+#pragma unroll
+          for (int i = 0; i < kUM; ++i) {
+            mma_16816<T>(ps[i][n], a[i], b[0], b[1]);
+            mma_16816<T>(ps[i][n + 1], a[i], b[2], b[3]);
+          }
+        }
+      }
+      // hand each other warp of the unit its part; keep the own one (selected: no dynamic indexing)
+#pragma unroll
+      for (int part = 0; part < kKSplit; ++part) {
+        const int owner = unit * kKSplit + part, cell = (kq - part - 1 + kKSplit) % kKSplit;
+#pragma unroll
+        for (int j = 0; j < kOwnN; ++j) {
+          const float* v = ps[part / kParts][part % kParts * kOwnN + j];
+          if (part != kq) {
+            s_x[((owner * (kKSplit - 1) + cell) * kOwnN + j) * 32 + lane] = make_float4(v[0], v[1], v[2], v[3]);
+          }
+#pragma unroll
+          for (int e = 0; e < 4; ++e) s[j][e] = part == kq || part == 0 ? v[e] : s[j][e];
+        }
+      }
+      __syncthreads();  // partial sums handed over
+      // the other warps' parts of the own one, in a fixed order (cell c: from warp kq - c - 1)
+#pragma unroll
+      for (int c = 0; c < kKSplit - 1; ++c) {
+#pragma unroll
+        for (int j = 0; j < kOwnN; ++j) {
+          const float4 v = s_x[((warp * (kKSplit - 1) + c) * kOwnN + j) * 32 + lane];
+          s[j][0] += v.x, s[j][1] += v.y, s[j][2] += v.z, s[j][3] += v.w;
         }
       }
     }
-#pragma unroll
-    for (int e = 0; e < 4; ++e) s[e] = s2[0][e] + s2[1][e];
 
     // scale; mask keys past the end (last tile of a range) and, in the tail, non-ancestors
     const int base = tile_base(t), end = tile_end(t);
     const bool is_tail = t >= prefix_tiles;
     const bool full = !is_tail && base + kBlockN <= end;
 #pragma unroll
-    for (int e = 0; e < 4; ++e) s[e] = finite_or_nan(s[e] * qk_scale_log2);
+    for (int j = 0; j < kOwnN; ++j) {
+#pragma unroll
+      for (int e = 0; e < 4; ++e) s[j][e] = finite_or_nan(s[j][e] * qk_scale_log2);
+    }
     if (!full) {
-      const int first = base + s_col;  // key of s[0] and s[2]; s[1], s[3]: the next one
-      const int left = end - first;              // keys of the pair before the end
-      // The mask bits of the pair, from bit first - prefix_len (< 64 for any input: tail tiles start
-      // below prefix_len + 64; min(.., 63) keeps the shift defined regardless; a key past bit 63
-      // reads 0).
-      const int shift = min(first - prefix_len, 63);
-      uint32_t bits[2] = {3u, 3u};
 #pragma unroll
-      for (int h = 0; h < 2; ++h) {
-        if (is_tail) bits[h] = static_cast<uint32_t>(row_mask[h] >> shift) & 3u;
-      }
+      for (int j = 0; j < kOwnN; ++j) {
+        const int first = base + s_col + 8 * j;  // key of s[j][0] and s[j][2]; s[j][1], s[j][3]: the next one
+        const int left = end - first;            // keys of the pair before the end
+        // The mask bits of the pair, from bit first - prefix_len (< 64 for any input: tail tiles
+        // start below prefix_len + 64; min(.., 63) keeps the shift defined regardless; a key past
+        // bit 63 reads 0).
+        const int shift = min(first - prefix_len, 63);
+        uint32_t bits[2] = {3u, 3u};
 #pragma unroll
-      for (int e = 0; e < 4; ++e) {
-        const bool visible = (e & 1) < left && (bits[e >> 1] >> (e & 1)) & 1u;
-        s[e] = visible ? s[e] : -INFINITY;
+        for (int h = 0; h < 2; ++h) {
+          if (is_tail) bits[h] = static_cast<uint32_t>(row_mask[h] >> shift) & 3u;
+        }
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          const bool visible = (e & 1) < left && (bits[e >> 1] >> (e & 1)) & 1u;
+          s[j][e] = visible ? s[j][e] : -INFINITY;
+        }
       }
     }
 
-    // the unit's row maxima (a quad of lanes shares a row) -> s_red[row][nw]
+    // the own part's row maxima (a quad of lanes shares a row) -> s_red[row][nw]
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
-      float mx = fmaxf(s[2 * h], s[2 * h + 1]);
+      float mx = fmaxf(s[0][2 * h], s[0][2 * h + 1]);
+#pragma unroll
+      for (int j = 1; j < kOwnN; ++j) mx = fmaxf(mx, fmaxf(s[j][2 * h], s[j][2 * h + 1]));
       mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
       mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
       if (t4 == 0) s_red[red_at + h * 8 * kNWarps] = mx;
@@ -442,7 +529,7 @@ __global__ void __launch_bounds__(MlaTile<kMTiles, kFp8>::kThreads) mla_tree_ver
         m_i[mt][h] = mx;
       }
     }
-    // the unit's owner: P = 2^(S - max) once, to shared memory; its share of the row sum
+    // the part's owner: P = 2^(S - max) once, to shared memory; its share of the row sum
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
       float ms = m_safe[0][h], al = alpha[0][h];  // of m tile mw (selected: no dynamic indexing)
@@ -451,9 +538,14 @@ __global__ void __launch_bounds__(MlaTile<kMTiles, kFp8>::kThreads) mla_tree_ver
         ms = mw == mt ? m_safe[mt][h] : ms;
         al = mw == mt ? alpha[mt][h] : al;
       }
-      const float p0 = ex2(s[2 * h] - ms), p1 = ex2(s[2 * h + 1] - ms);
-      l_own[h] = l_own[h] * al + (p0 + p1);
-      *reinterpret_cast<uint32_t*>(p_at + h * 8 * Tile::kPStride) = pack2<T>(p0, p1);
+      float sum = 0.f;
+#pragma unroll
+      for (int j = 0; j < kOwnN; ++j) {
+        const float p0 = ex2(s[j][2 * h] - ms), p1 = ex2(s[j][2 * h + 1] - ms);
+        sum += p0 + p1;
+        *reinterpret_cast<uint32_t*>(p_at + h * 8 * Tile::kPStride + j * 16) = pack2<T>(p0, p1);
+      }
+      l_own[h] = l_own[h] * al + sum;
     }
     __syncthreads();  // P written (3 stages: and tile t + 1 visible)
 
@@ -548,18 +640,16 @@ __global__ void mla_merge_splits_kernel(const MlaParams p) {
                   static_cast<T*>(p.out) + token * p.o_stride_t + head * p.o_stride_h, p.lse);
 }
 
-template <typename T, int kMTiles, bool kFp8>
-cudaError_t launch(const MlaParams& p, cudaStream_t stream) {
-  using Tile = MlaTile<kMTiles, kFp8>;
+template <typename T, int kMTiles, int kKSplit, bool kFp8>
+cudaError_t launch(const MlaParams& p, int device, cudaStream_t stream) {
+  using Tile = MlaTile<kMTiles, kFp8, kKSplit>;
   constexpr int kSmem = Tile::kSmemBytes;
-  int device = 0;
-  const cudaError_t dev_err = cudaGetDevice(&device);
-  if (dev_err != cudaSuccess) return dev_err;
-  const cudaError_t attr_err = opt_in_dynamic_smem_once<mla_tree_verify_kernel<T, kMTiles, kFp8>, kSmem>(device);
+  const cudaError_t attr_err =
+      opt_in_dynamic_smem_once<mla_tree_verify_kernel<T, kMTiles, kFp8, kKSplit>, kSmem>(device);
   if (attr_err != cudaSuccess) return attr_err;
   const int m_blocks = (p.max_rows + 16 * kMTiles - 1) / (16 * kMTiles);
   const dim3 grid(static_cast<unsigned>(p.num_requests) * m_blocks, p.num_splits);
-  mla_tree_verify_kernel<T, kMTiles, kFp8><<<grid, Tile::kThreads, kSmem, stream>>>(p);
+  mla_tree_verify_kernel<T, kMTiles, kFp8, kKSplit><<<grid, Tile::kThreads, kSmem, stream>>>(p);
   cudaError_t err = cudaGetLastError();
   if (err != cudaSuccess || p.num_splits == 1) return err;
   mla_merge_splits_kernel<T><<<static_cast<unsigned>(p.num_tokens) * p.num_heads, kMlaMergeThreads, 0, stream>>>(p);
@@ -568,10 +658,16 @@ cudaError_t launch(const MlaParams& p, cudaStream_t stream) {
 
 template <typename T>
 cudaError_t launch_for_rows(const MlaParams& p, cudaStream_t stream) {
+  int device = 0, per_sm = 0, reserved = 0;
+  cudaError_t err = cudaGetDevice(&device);
+  if (err == cudaSuccess) err = device_smem(device, per_sm, reserved);
+  if (err != cudaSuccess) return err;
   const bool fp8 = p.kv_format != kKvLikeQ;
-  const LaunchShape shape = mla_launch_shape(p.max_rows, fp8);
-#define SPEC_KERNELS_MLA_LAUNCH(M_TILES, REGS, FP8_REGS) \
-  if (shape.block_m == 16 * M_TILES) return fp8 ? launch<T, M_TILES, true>(p, stream) : launch<T, M_TILES, false>(p, stream);
+  const LaunchShape shape = mla_launch_shape(p.max_rows, per_sm, reserved, fp8);
+#define SPEC_KERNELS_MLA_LAUNCH(M_TILES, K_SPLIT, REGS, FP8_REGS)                                  \
+  if (shape.block_m == 16 * M_TILES && shape.block_n == MlaTile<M_TILES, false, K_SPLIT>::kBlockN) \
+    return fp8 ? launch<T, M_TILES, K_SPLIT, true>(p, device, stream)                            \
+               : launch<T, M_TILES, K_SPLIT, false>(p, device, stream);
   SPEC_KERNELS_MLA_CONFIGS(SPEC_KERNELS_MLA_LAUNCH)
 #undef SPEC_KERNELS_MLA_LAUNCH
   return cudaErrorInvalidValue;

@@ -453,25 +453,6 @@ __global__ void merge_splits_kernel(const TreeVerifyParams p) {
                   p.head_dim, static_cast<T*>(p.out) + token * p.o_stride_t + head * p.o_stride_h, p.lse);
 }
 
-// The device's shared memory per SM and the part of it reserved per CTA, asked once per device.
-cudaError_t device_smem(int device, int& per_sm, int& reserved) {
-  static std::atomic<int> known_per_sm[kMaxCachedDevices];  // 0: not yet asked
-  static std::atomic<int> known_reserved[kMaxCachedDevices];
-  const bool cached = device >= 0 && device < kMaxCachedDevices;
-  if (cached && (per_sm = known_per_sm[device].load(std::memory_order_acquire)) != 0) {
-    reserved = known_reserved[device].load(std::memory_order_relaxed);
-    return cudaSuccess;
-  }
-  cudaError_t err = cudaDeviceGetAttribute(&per_sm, cudaDevAttrMaxSharedMemoryPerMultiprocessor, device);
-  if (err == cudaSuccess) err = cudaDeviceGetAttribute(&reserved, cudaDevAttrReservedSharedMemoryPerBlock, device);
-  if (err != cudaSuccess) return err;
-  if (cached) {
-    known_reserved[device].store(reserved, std::memory_order_relaxed);
-    known_per_sm[device].store(per_sm, std::memory_order_release);
-  }
-  return cudaSuccess;
-}
-
 template <typename T, int D, int kRows, bool kFp8>
 cudaError_t launch_config(const TreeVerifyParams& p, int device, cudaStream_t stream) {
   using Cfg = TileConfig<D, kRows, kFp8>;

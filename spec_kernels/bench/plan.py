@@ -76,7 +76,7 @@ def launch_resources(shape: Shape, limits: DeviceLimits, impl: str, block_m: int
     """One CTA's resources and the split traffic of the launch (bf16), as its launcher plans them."""
     if impl == "cuda":
         if shape.mla:
-            return mla_cuda.cuda_mla_resources(block_m), mla_cuda.split_traffic()
+            return mla_cuda.cuda_mla_resources(block_m, limits=limits), mla_cuda.split_traffic()
         return tv_cuda.cuda_tree_verify_resources(shape.head_dim, block_m), tv_cuda.split_traffic(shape.head_dim)
     if shape.mla:
         return (mla_triton.triton_mla_resources(block_m, shape.head_dim, 2),

@@ -7,9 +7,9 @@ from typing import Optional
 
 import torch
 
-from .._ops import cuda_ops, kernel_config, mla_launch_config
+from .._ops import LaunchShape, cuda_ops, kernel_config, mla_launch_config
 from ..attention.checks import KV_FP8_DTYPES, NO_SCALES, KvScales, cuda_cache_dtype_refusal, cuda_row_chunk_refusal
-from ..attention.plan import KernelResources, SplitTraffic, SplitWorkspace, expected_rows, max_rows, mean_prefix
+from ..attention.plan import DeviceLimits, KernelResources, SplitTraffic, SplitWorkspace, expected_rows, max_rows, mean_prefix
 from ..attention.plan import num_kv_splits as plan_splits
 
 HEAD_DIM, V_HEAD_DIM = 576, 512  # kMlaHeadDim / kMlaVHeadDim in csrc/include/spec_kernels/mla.h
@@ -42,7 +42,8 @@ def auto_splits(device: torch.device, num_tokens: int, num_requests: int, num_he
     rows that hold work in an even batch, on the configuration the launch takes."""
     rows = max_rows(num_tokens, num_heads, decode, max_draft_tokens)
     work = expected_rows(num_tokens, num_requests, num_heads, decode, max_draft_tokens)
-    return plan_splits(device, num_requests, 1, work, block_m(rows), cuda_mla_resources(block_m(rows), kv_fp8),
+    return plan_splits(device, num_requests, 1, work, block_m(rows),
+                       lambda limits: cuda_mla_resources(block_m(rows), kv_fp8, limits),
                        mean_prefix(num_indices, num_requests, work, num_heads), traffic=split_traffic(kv_fp8))
 
 
@@ -72,10 +73,19 @@ def mla_tree_verify_attention(q, kv_cache, kv_indptr, kv_indices, qo_indptr, tre
                                          scales.v_tensor)
 
 
-def cuda_mla_resources(block_m: int, kv_fp8: bool = False) -> KernelResources:
-    """Threads, registers and dynamic shared memory of the compiled configuration with block_m
-    rows per CTA (kv_fp8: its fp8-cache instance), as the extension reports them (MlaTile and the
-    list of configurations in csrc/include/spec_kernels/mla_config.h). ValueError when there is
-    none."""
-    c = kernel_config(KERNEL, HEAD_DIM, block_m, kv_fp8)
+def launch_config(rows: int, limits: Optional[DeviceLimits] = None, kv_fp8: bool = False) -> LaunchShape:
+    """The configuration a launch of `rows` (max_rows) takes on a device with `limits` (None: not
+    known, the configuration that fits every device), read from the extension
+    (mla_launch_shape in csrc/include/spec_kernels/mla_config.h)."""
+    per_sm, reserved = (limits.smem_per_sm, limits.smem_reserved_per_cta) if limits is not None else (0, 0)
+    return mla_launch_config(max(rows, 1), per_sm, reserved, kv_fp8)
+
+
+def cuda_mla_resources(block_m: int, kv_fp8: bool = False, limits: Optional[DeviceLimits] = None) -> KernelResources:
+    """Threads, registers and dynamic shared memory of the configuration with block_m rows per CTA
+    (kv_fp8: its fp8-cache instance) that a launch takes on a device with `limits` (None: the one
+    every device can run), as the extension reports them (MlaTile and the list of configurations
+    in csrc/include/spec_kernels/mla_config.h). ValueError when there is none."""
+    c = launch_config(block_m, limits, kv_fp8)
+    c = kernel_config(KERNEL, HEAD_DIM, block_m, kv_fp8, c.block_n if c.block_m == block_m else None)
     return KernelResources(c.threads, c.regs, c.smem_bytes)

@@ -87,8 +87,24 @@ def test_fp8_tree_verify_matches_reference(ops, dtype, fp8, ns, prefixes, heads,
     c = make_case(ns, prefixes, heads, dtype, seed=sum(prefixes) + heads + 1)
     check(c, fp8, splits=splits, max_draft_tokens=max_draft, tensor_scales=tensor_scales)
     (launch,) = [name for name, *_ in ops.launches if "mla_tree_verify_kernel" in name]
-    assert launch.endswith(f"Li{block_m // 16}ELb1E"), launch
+    assert launch.endswith(f"Li{block_m // 16}ELb1ELi1E"), launch  # <T, m tiles, fp8 cache, no k split>
     assert any("mla_merge_splits_kernel" in n for n, *_ in ops.launches) == (splits > 1)
+
+
+@pytest.mark.parametrize("dtype,fp8,ns,prefixes,heads,splits,tensor_scales", [
+    # sm_90's 64-row configuration (k split 4, 32-key byte stages, one converted tile)
+    pytest.param(torch.bfloat16, E4, [3], [40], 16, 2, False, id="bf16-e4m3-split2"),
+    pytest.param(torch.float16, E5, [5, 2], [20, 9], 16, 1, True, id="f16-e5m2-two-row-blocks"),
+])
+def test_fp8_sm90_k_split_matches_reference(monkeypatch, dtype, fp8, ns, prefixes, heads, splits, tensor_scales):
+    from tools.ptx_harness.cuda_glue import PtxCudaOps
+
+    ops = PtxCudaOps(arch="sm_90a")
+    monkeypatch.setattr(mla_cuda, "cuda_ops", lambda: ops)
+    c = make_case(ns, prefixes, heads, dtype, seed=sum(prefixes) + heads + 1)
+    check(c, fp8, splits=splits, tensor_scales=tensor_scales)
+    (launch,) = [name for name, *_ in ops.launches if "mla_tree_verify_kernel" in name]
+    assert launch.endswith("Li4ELb1ELi4E"), launch
 
 
 @pytest.mark.parametrize("dtype,fp8,prefixes,heads,splits,tensor_scales", [
@@ -103,8 +119,9 @@ def test_fp8_decode_matches_reference(ops, dtype, fp8, prefixes, heads, splits, 
 def test_every_fp8_configuration_has_a_case():
     from spec_kernels import _ops
 
-    compiled = {c.block_m for c in _ops.kernel_configs() if c.kernel == mla_cuda.KERNEL and c.kv_fp8}
-    assert compiled == {16, 32, 64}
+    compiled = {(c.block_m, c.block_n) for c in _ops.kernel_configs() if c.kernel == mla_cuda.KERNEL and c.kv_fp8}
+    # (64, 32): test_fp8_sm90_k_split_matches_reference; the others: the sm_120a cases above
+    assert compiled == {(16, 32), (32, 16), (64, 16), (64, 32)}
 
 
 def test_fp8_cache_reads_each_byte_once_per_row_block(ops):

@@ -150,6 +150,44 @@ def test_tree_verify_matches_reference(ops, dtype, ns, prefixes, heads, splits, 
     assert_reads_each_kv_row_once_per_row_block(ops, c, min(sum(ns), max_draft or 64) * heads)
 
 
+# sm_90's configuration for 64-row CTAs (MlaTile<4, kFp8, 4>: 32-key tiles, 32 x 32 S units over
+# a quarter of the dims each, partial sums added through shared memory): the sm_90a PTX, where the
+# launch takes it (an H200's shared memory holds it; sm_120's does not).
+@pytest.mark.parametrize(
+    "dtype,ns,prefixes,heads,splits,max_draft,index_dtype",
+    [
+        # 48 rows in one CTA (rows 48-63 empty), a 7-key prefix (one partial 32-key tile)
+        pytest.param(torch.float16, [3], [7], 16, 1, 0, torch.int32, id="f16-tree-h16"),
+        # two row blocks per request, 2 splits of a 70-key prefix (64 + 6 keys), an empty prefix
+        pytest.param(torch.bfloat16, [5, 2], [70, 0], 16, 2, 0, torch.int64, id="bf16-tree-two-row-blocks-split2"),
+        # 64 drafts x 1 head: two tail tiles, mask bits 32-63 in the second
+        pytest.param(torch.float16, [64], [33], 1, 1, 0, torch.int32, id="f16-tree-64-drafts"),
+    ],
+)
+def test_sm90_k_split_configuration_matches_reference(monkeypatch, dtype, ns, prefixes, heads, splits, max_draft,
+                                                      index_dtype):
+    from tools.ptx_harness.cuda_glue import PtxCudaOps
+    from tools.ptx_harness.shipped import device_smem
+
+    ops = PtxCudaOps(arch="sm_90a")
+    monkeypatch.setattr(mla_cuda, "cuda_ops", lambda: ops)
+    assert _ops_shape(64, "sm_90a").block_n == 32 and _ops_shape(64, "sm_120a").block_n == 16
+    c = make_case(ns, prefixes, heads, dtype, index_dtype=index_dtype, seed=sum(prefixes) + heads)
+    out, lse, ref, ref_lse = run_both(c, splits=splits, max_draft_tokens=max_draft)
+    assert_matches(c, out, lse, ref, ref_lse)
+    (name,) = [n for n, *_ in ops.launches if "mla_tree_verify_kernel" in n]
+    assert name.endswith("Li4ELb0ELi4E"), name  # <T, 4 m tiles, 16-bit cache, k split 4>
+    assert_reads_each_kv_row_once_per_row_block(ops, c, min(sum(ns), max_draft or 64) * heads)
+    assert device_smem("sm_90a")[0] >= _ops_shape(64, "sm_90a").smem_bytes > 99 * 1024
+
+
+def _ops_shape(rows, arch):
+    from spec_kernels import _ops
+    from tools.ptx_harness.shipped import device_smem
+
+    return _ops.mla_launch_config(rows, *device_smem(arch))
+
+
 @pytest.mark.parametrize(
     "dtype,prefixes,heads,splits",
     [

@@ -130,6 +130,23 @@ MUTANTS = {
     "mla_v_columns_bm64": (
         MLA, "64 rows: a warp's V columns at 128 per warp (the 4-warp width), not 64",
         "warp * kDvTiles * 16 +", "warp * 16 * 16 +", "that a cp.async has not completed"),
+    # ---- MLA, sm_90's 64-row configuration (k split 4: 32 x 32 units over a quarter of the dims,
+    # partial sums through shared memory); run on the sm_90a PTX (run_mla_ksplit)
+    "mla_exchange_cell_ksplit": (
+        MLA, "k split: a partial sum handed to the next owner's cell",
+        "cell = (kq - part - 1 + kKSplit) % kKSplit;", "cell = (kq - part + kKSplit) % kKSplit;", "outside the"),
+    "mla_no_exchange_sync_ksplit": (
+        MLA, "k split: no __syncthreads between handing over and adding the partial sums",
+        "      __syncthreads();  // partial sums handed over", "      // partial sums handed over", RACE),
+    "mla_unit_steps_ksplit": (
+        MLA, "k split: every warp of a unit sums the first quarter of the dims",
+        "const int k0 = kq * Tile::kUnitSteps;", "const int k0 = 0;", "mismatch"),
+    "mla_unit_key_halves_ksplit": (
+        MLA, "k split: the K fragments' second 8 keys read the first 8 again",
+        "const int key = unit_n0 * 8 + (lane / 16) * 8 + x7;", "const int key = unit_n0 * 8 + x7;", "mismatch"),
+    "mla_own_part_not_kept_ksplit": (
+        MLA, "k split: every warp keeps part 0 of the unit instead of its own",
+        "s[j][e] = part == kq || part == 0 ? v[e] : s[j][e];", "s[j][e] = part == 0 ? v[e] : s[j][e];", "mismatch"),
     # ---- fused add + RMSNorm (MUTANTS["norm"]); warp_sum is in the header the .cu includes
     "norm_warp_sum_missing_lane": (
         ROW, "warp_sum: the butterfly stops at offset 2 (lane l + l^1 never added)",
@@ -213,7 +230,18 @@ def run_mla64(ops, monkeypatch):
     monkeypatch.setattr(mla_cuda, "cuda_ops", lambda: ops)
     c = mla.make_case([5], [40], 9, torch.bfloat16, seed=8)
     out, lse, ref, ref_lse = mla.run_both(c, splits=1)
-    assert [name for name, *_ in ops.launches][0].endswith("Li4ELb0E")
+    assert [name for name, *_ in ops.launches][0].endswith("Li4ELb0ELi1E")
+    mla.assert_matches(c, out, lse, ref, ref_lse)
+
+
+def run_mla_ksplit(ops, monkeypatch):
+    # bf16, 5 drafts x 9 heads (45 rows: one 64-row CTA, rows 45-63 empty) after 70 prefix keys on
+    # the sm_90a PTX: sm_90's configuration (32-key tiles, 3 stages): 3 prefix tiles (the third a
+    # partial one, 6 keys) and a tail tile, so tile 3 is gathered into the stage of tile 0.
+    monkeypatch.setattr(mla_cuda, "cuda_ops", lambda: ops)
+    c = mla.make_case([5], [70], 9, torch.bfloat16, seed=8)
+    out, lse, ref, ref_lse = mla.run_both(c, splits=1)
+    assert [name for name, *_ in ops.launches][0].endswith("Li4ELb0ELi4E")
     mla.assert_matches(c, out, lse, ref, ref_lse)
 
 
@@ -244,7 +272,8 @@ RUNNERS = {MLA: run_mla, ROW: run_norm, NORM: run_norm}
 
 
 def runner(name, path):
-    special = {"_bm32": run_mla32, "_bm64": run_mla64, "_latekey": run_mla_late_first_key, "_fp8": run_mla_fp8}
+    special = {"_bm32": run_mla32, "_bm64": run_mla64, "_latekey": run_mla_late_first_key, "_fp8": run_mla_fp8,
+               "_ksplit": run_mla_ksplit}
     return next((run for end, run in special.items() if name.endswith(end)), RUNNERS[path])
 
 
@@ -259,16 +288,22 @@ def _caught(name, what, expect, run):
         f"{name}: expected to be caught by {expect}, got {got}: {first}"
 
 
-@pytest.mark.parametrize("run", [run_mla, run_mla32, run_mla64, run_mla_late_first_key, run_mla_fp8, run_norm],
-                         ids=["mla", "mla32", "mla64", "mla-late-key", "mla-fp8", "norm"])
+def arch_of(name):
+    """The PTX a mutant's case runs: sm_90a for sm_90's configuration, else the default."""
+    return {"arch": "sm_90a"} if name.endswith("_ksplit") else {}
+
+
+@pytest.mark.parametrize("run", [run_mla, run_mla32, run_mla64, run_mla_ksplit, run_mla_late_first_key, run_mla_fp8,
+                                 run_norm],
+                         ids=["mla", "mla32", "mla64", "mla-ksplit", "mla-late-key", "mla-fp8", "norm"])
 def test_unmutated_case_passes(run, monkeypatch):
-    run(PtxCudaOps(), monkeypatch)
+    run(PtxCudaOps(**arch_of(run.__name__.replace("run_mla_ksplit", "_ksplit"))), monkeypatch)
 
 
 @pytest.mark.parametrize("name", sorted(MUTANTS))
 def test_mutant_is_caught(name, monkeypatch):
     path, what, old, new, expect = MUTANTS[name]
-    ops = PtxCudaOps(patched={path: patched(path, old, new)})
+    ops = PtxCudaOps(patched={path: patched(path, old, new)}, **arch_of(name))
     _caught(name, what, expect, lambda: runner(name, path)(ops, monkeypatch))
 
 

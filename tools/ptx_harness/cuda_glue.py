@@ -23,7 +23,7 @@ from ptxsim.launch import module_of, pack_params
 from spec_kernels import _ops
 from spec_kernels.attention.checks import KV_FP8_DTYPES
 from spec_kernels.attention.triton_common import LOG2E
-from tools.ptx_harness.shipped import device_smem, entry_of, header_struct, short_name, source_constant
+from tools.ptx_harness.shipped import device_max_smem, device_smem, entry_of, header_struct, short_name, source_constant
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 ARCH = os.environ.get("PTXSIM_ARCH", "sm_120a")
@@ -114,7 +114,7 @@ class PtxCudaOps:
 
     def _machine(self):
         return Machine(mma=self.mma, check_races=self.check_races, arch="sm_120" if "120" in self.arch else "sm_90",
-                       latencies=self.latencies)
+                       latencies=self.latencies, max_smem=device_max_smem(self.arch))
 
     def _run(self, m, mod, entry, grid, block, args, smem=0):
         e = mod.entry(entry)
@@ -215,9 +215,9 @@ class PtxCudaOps:
         raw = bytes(p)
         mod = self._module("mla/mla_tree_verify_attention.cu")
         tname = _DTYPE_NAMES[q.dtype]
-        # launch_for_rows(): the configuration mla_launch_shape picks for max_rows, its grid of
+        # launch_for_rows(): the configuration mla_launch_shape picks for max_rows on the arch's GPU, its grid of
         # (request, row block) x splits
-        shape = _ops.mla_launch_config(max_rows, fp8)
+        shape = _ops.mla_launch_config(max_rows, *device_smem(self.arch), fp8)
         m_blocks = -(-max_rows // shape.block_m)
         self._run(m, mod, entry_of(mod, "mla_tree_verify_kernel", tname, shape.template_args),
                   (B * m_blocks, num_splits), (shape.threads,), [raw], shape.smem_bytes)

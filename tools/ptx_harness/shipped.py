@@ -143,9 +143,18 @@ def short_name(mangled: str) -> str:
 ARCH_DEVICE = {"sm_90a": "h200", "sm_120a": "rtx-pro-6000"}
 
 
-def device_smem(arch: str) -> tuple[int, int]:
-    """(shared memory per SM, reserved per CTA) of the GPU the arch stands for."""
+def _arch_limits(arch: str):
     from spec_kernels.attention.plan import DEVICES
 
-    limits = DEVICES[ARCH_DEVICE.get(arch, "rtx-pro-6000" if "120" in arch else "h200")]
+    return DEVICES[ARCH_DEVICE.get(arch, "rtx-pro-6000" if "120" in arch else "h200")]
+
+
+def device_max_smem(arch: str) -> int:
+    """The most dynamic shared memory a CTA may have on the GPU the arch stands for."""
+    return _arch_limits(arch).max_smem_per_cta
+
+
+def device_smem(arch: str) -> tuple[int, int]:
+    """(shared memory per SM, reserved per CTA) of the GPU the arch stands for."""
+    limits = _arch_limits(arch)
     return limits.smem_per_sm, limits.smem_reserved_per_cta

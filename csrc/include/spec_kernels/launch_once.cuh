@@ -25,4 +25,23 @@ cudaError_t opt_in_dynamic_smem_once(int device) {
   return err;
 }
 
+// The device's shared memory per SM and the part of it reserved per CTA, asked once per device.
+inline cudaError_t device_smem(int device, int& per_sm, int& reserved) {
+  static std::atomic<int> known_per_sm[kMaxCachedDevices];  // 0: not yet asked
+  static std::atomic<int> known_reserved[kMaxCachedDevices];
+  const bool cached = device >= 0 && device < kMaxCachedDevices;
+  if (cached && (per_sm = known_per_sm[device].load(std::memory_order_acquire)) != 0) {
+    reserved = known_reserved[device].load(std::memory_order_relaxed);
+    return cudaSuccess;
+  }
+  cudaError_t err = cudaDeviceGetAttribute(&per_sm, cudaDevAttrMaxSharedMemoryPerMultiprocessor, device);
+  if (err == cudaSuccess) err = cudaDeviceGetAttribute(&reserved, cudaDevAttrReservedSharedMemoryPerBlock, device);
+  if (err != cudaSuccess) return err;
+  if (cached) {
+    known_reserved[device].store(reserved, std::memory_order_relaxed);
+    known_per_sm[device].store(per_sm, std::memory_order_release);
+  }
+  return cudaSuccess;
+}
+
 }  // namespace spec_kernels

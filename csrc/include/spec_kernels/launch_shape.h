@@ -12,6 +12,7 @@ struct LaunchShape {
   int regs;             // registers per thread (ptxas; the larger of the compiled archs)
   int min_ctas_per_sm;  // __launch_bounds__' second argument (0: none given)
   int kv_fp8;           // 1: the instance for fp8 KV caches
+  int block_n;          // keys per KV tile: tells apart configurations of equal block_m
 };
 
 }  // namespace spec_kernels

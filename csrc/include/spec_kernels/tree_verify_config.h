@@ -85,7 +85,8 @@ constexpr int kTreeVerifyMergeThreads = 32;
 template <int D, int kRows, bool kFp8, int kRegs>
 constexpr LaunchShape tree_verify_instance_shape() {
   using Cfg = TileConfig<D, kRows, kFp8>;
-  return LaunchShape{D, kRows, Cfg::kThreads, Cfg::kSmemBytes, kRegs, Cfg::kMinCtasPerSm, kFp8 ? 1 : 0};
+  return LaunchShape{D, kRows, Cfg::kThreads, Cfg::kSmemBytes, kRegs, Cfg::kMinCtasPerSm, kFp8 ? 1 : 0,
+                     Cfg::kStageKeys};
 }
 
 // The compiled configuration (head_dim, rows per CTA, fp8 cache); block_m 0 when there is none.
@@ -96,7 +97,7 @@ constexpr LaunchShape tree_verify_config_shape(int head_dim, int block_m, bool f
                : tree_verify_instance_shape<D, ROWS, false, REGS>();
   SPEC_KERNELS_TREE_VERIFY_CONFIGS(SPEC_KERNELS_TV_SHAPE)
 #undef SPEC_KERNELS_TV_SHAPE
-  return LaunchShape{head_dim, 0, 0, 0, 0, 0, fp8 ? 1 : 0};
+  return LaunchShape{head_dim, 0, 0, 0, 0, 0, fp8 ? 1 : 0, 0};
 }
 
 // The configuration a launch takes (block_m 0: head_dim has none). At D = 128: 128 rows per CTA
