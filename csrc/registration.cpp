@@ -12,6 +12,7 @@
 #include <vector>
 
 #include "bindings.h"
+#include "spec_kernels/launch_once.cuh"
 #include "spec_kernels/launchers.h"
 #include "spec_kernels/mla.h"
 #include "spec_kernels/mla_config.h"
@@ -85,6 +86,13 @@ std::string kernel_configs() {
   return spec_kernels::binding::tree_verify_configs() + spec_kernels::binding::mla_configs();
 }
 
+// For tests (spec_kernels.testing.launch_rule_as_on): the shared memory per SM the launches'
+// configuration choice sees, capped at smem_per_sm (0: the device's own); returns the cap before.
+int64_t set_launch_smem_limit(int64_t smem_per_sm) {
+  TORCH_CHECK(smem_per_sm >= 0 && smem_per_sm <= (1 << 30), "smem_per_sm must be in [0, 2^30], got ", smem_per_sm);
+  return spec_kernels::launch_smem_limit().exchange(static_cast<int>(smem_per_sm));
+}
+
 namespace b = spec_kernels::binding;
 
 }  // namespace
@@ -94,6 +102,7 @@ TORCH_LIBRARY(spec_kernels_cuda, m) {
   m.def("compiled_cuda_version() -> int", &compiled_cuda_version);
   m.def("compiled_constants() -> str", &compiled_constants);
   m.def("kernel_configs() -> str", &kernel_configs);
+  m.def("set_launch_smem_limit(int smem_per_sm) -> int", &set_launch_smem_limit);
   m.def("tree_verify_launch_config(int head_dim, int max_rows, int smem_per_sm, int smem_reserved_per_cta, "
         "bool kv_fp8=False) -> int[]",
         &b::tree_verify_launch_config);

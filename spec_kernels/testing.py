@@ -7,6 +7,7 @@ pool larger than needed, so kernels that ignore kv_indices cannot pass.
 """
 from __future__ import annotations
 
+import contextlib
 import math
 from dataclasses import dataclass
 
@@ -149,3 +150,19 @@ def naive_attention(case: Case, sm_scale: float | None = None, decode: bool = Fa
             out[t, h] = torch.softmax(s, 0) @ v[rows, h // group]
             lse[t, h] = torch.logsumexp(s, 0)
     return out, lse
+
+
+@contextlib.contextmanager
+def launch_rule_as_on(smem_per_sm: int):
+    """For GPU tests: inside, CUDA attention launches choose their configuration as if the device
+    had at most `smem_per_sm` bytes of shared memory per SM (never more than its own), so one GPU
+    runs the configurations the launch rule gives a GPU with less (an H200 those of an RTX PRO
+    6000: DeviceLimits.smem_per_sm). Process-wide; the previous cap is restored on exit. The split
+    planner still plans for the real device (the split count never changes a result)."""
+    from ._ops import cuda_ops
+
+    previous = cuda_ops().set_launch_smem_limit(smem_per_sm)
+    try:
+        yield
+    finally:
+        cuda_ops().set_launch_smem_limit(previous)

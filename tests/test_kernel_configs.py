@@ -111,6 +111,24 @@ def test_the_exported_launch_rule_refuses_bad_arguments(args, name):
             torch.ops.spec_kernels_cuda.mla_launch_config(*args[1:])
 
 
+def test_the_launch_smem_limit_is_set_restored_and_checked():
+    """spec_kernels.testing.launch_rule_as_on (the GPU tests' way to reach every configuration):
+    the cap is process-wide, returned on each set, restored on exit; a refused value leaves it."""
+    from spec_kernels.testing import launch_rule_as_on
+
+    ops = torch.ops.spec_kernels_cuda
+    before = ops.set_launch_smem_limit(50 * 1024)
+    try:
+        assert ops.set_launch_smem_limit(60 * 1024) == 50 * 1024
+        with launch_rule_as_on(100 * 1024):
+            assert ops.set_launch_smem_limit(100 * 1024) == 100 * 1024
+        with pytest.raises(RuntimeError, match="smem_per_sm"):
+            ops.set_launch_smem_limit(-1)
+        assert ops.set_launch_smem_limit(0) == 60 * 1024
+    finally:
+        ops.set_launch_smem_limit(before)
+
+
 @pytest.mark.parametrize("name", ["TreeVerifyParams", "MlaParams", "IndexTensor", "KvSlotBatch", "KvCommitArgs"])
 def test_parsed_parameter_structs_have_the_compiled_size(name):
     assert ctypes.sizeof(header_struct(name)) == _ops.compiled_constants()[f"sizeof({name})"]
@@ -121,7 +139,11 @@ _DRIVER = r"""
 #include <cstdio>
 #include "spec_kernels/tree_verify_config.h"
 #include "spec_kernels/mla_config.h"
+#include "spec_kernels/launch_once.cuh"
 int main() {
+  const int caps[][2] = {{233472, 0}, {233472, 102400}, {102400, 233472}, {102400, 102400}};
+  for (const auto& c : caps)
+    std::printf("cap %d %d 0 0 0 %d 0 0\n", c[0], c[1], spec_kernels::capped_smem_per_sm(c[0], c[1]));
   const int dims[] = {64, 96, 128, 256};
   const int smem[][2] = {%SMEM%};
   for (int d : dims)
@@ -197,6 +219,9 @@ def check_launch_rule(table) -> None:
                 # 64 rows: 32-key tiles (k split) where the configuration fits (sm_90), else 16
                 want_n = 32 if rows <= 16 else 16 if rows <= 32 else 32 if smem == h200 else 16
                 assert bm[("mla_n", *mla)] == want_n, (rows, smem, fp8)
+    # the test-only cap (launch_rule_as_on) lowers a device's shared memory, never raises it
+    assert [bm[("cap", *c, 0, 0, 0)] for c in ((233472, 0), (233472, 102400), (102400, 233472), (102400, 102400))] \
+        == [233472, 102400, 102400, 102400]
     assert table[("tv", 128, 65, *h200, 0)][1:] == (256, 98 * 1024)  # 8 warps, the 64-row stages
     # fp8: byte stages (48 KB) and one converted K and V tile (32 KB) + the slot ids
     assert table[("tv", 128, 65, *h200, 1)][1:] == (256, 82 * 1024)
@@ -206,6 +231,8 @@ def test_the_compiled_launch_rule_is_the_extensions(tmp_path):
     table = launch_rule_table(tmp_path)
     check_launch_rule(table)
     for key, (block_m, threads, smem) in table.items():
+        if key[0] == "cap":
+            continue
         if key[0] == "mla_n":
             assert _ops.mla_launch_config(*key[2:-1], bool(key[-1])).block_n == block_m, key
             continue
@@ -225,6 +252,7 @@ LAUNCH_RULE_MUTANTS = {
     "unknown_smem_counts_as_small": ("tree_verify_config.h", "smem_per_sm > 0 && ", ""),
     "mla_k_split_on_sm120": ("mla_config.h", "wide <= smem_per_sm", "wide <= 2 * smem_per_sm"),
     "mla_k_split_for_32_rows": ("mla_config.h", "block_m == 64 && smem_per_sm", "block_m >= 32 && smem_per_sm"),
+    "smem_cap_raises_it": ("launch_once.cuh", "limit > 0 && limit < per_sm ? limit", "limit > 0 ? limit"),
     "mla_rows_swapped": ("mla.h", "max_rows <= 16 ? 16 : max_rows <= 32 ? 32 : 64",
                          "max_rows <= 16 ? 16 : max_rows <= 48 ? 32 : 64"),
 }

@@ -642,3 +642,41 @@ def test_gpu_debug_mode_checks_index_values_and_mask_bits():
         spec_kernels.set_debug_checks(None)
     out = mla_tree_verify_attention(*case.args[:5], bad_mask)  # unchecked: runs, bits ignored
     torch.testing.assert_close(out, mla_tree_verify_attention(*case.args), atol=0, rtol=0)
+
+
+@pytest.mark.gpu
+def test_gpu_every_configuration_runs_and_matches_the_reference():
+    """Each compiled CUDA MLA configuration (16-bit and fp8 caches) that this GPU can run is
+    launched (the launch rule steered by spec_kernels.testing.launch_rule_as_on to the shared
+    memory of the named GPU whose rule takes it: on an H200 both 64-row ones) and matches the
+    reference."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from spec_kernels import _ops
+    from spec_kernels.attention.plan import DEVICES, device_limits
+    from spec_kernels.mla import cuda as mla_cuda
+    from spec_kernels.testing import launch_rule_as_on
+
+    own = device_limits(torch.cuda.current_device())
+    for c in (c for c in _ops.kernel_configs() if c.kernel == mla_cuda.KERNEL):
+        fp8 = bool(c.kv_fp8)
+        fits = [lim for lim in DEVICES.values() if lim.smem_per_sm <= own.smem_per_sm]
+        found = next(((n, lim) for lim in fits for n in (1, 2, 4)
+                      if (lambda s: (s.block_m, s.block_n) == (c.block_m, c.block_n))(
+                          mla_cuda.launch_config(16 * n, lim, fp8))), None)
+        if found is None:  # sm_90's configuration on a GPU with less shared memory
+            assert c.smem_bytes > own.max_smem_per_cta, c
+            continue
+        n, lim = found
+        case = make_mla_case([n], [300], heads=16, dtype=torch.bfloat16, seed=43, device="cuda")
+        kv, kw = case.kv_cache, {}
+        if fp8:
+            kv, kw = kv.float().div(0.05).to(torch.float8_e4m3fn), dict(k_scale=0.05, v_scale=0.05)
+        args = (case.q, kv, *case.args[2:])
+        want = mla_tree_verify_attention(*args, sm_scale=0.07, impl="reference", max_draft_tokens=n, **kw)
+        with launch_rule_as_on(lim.smem_per_sm), profile(activities=[ProfilerActivity.CUDA]) as prof:
+            got = mla_tree_verify_attention(*args, sm_scale=0.07, impl="cuda", max_draft_tokens=n, **kw)
+            torch.cuda.synchronize()
+        instance = f"mla_tree_verify_kernel<__nv_bfloat16, {c.template_args.replace(',', ', ')}>"
+        assert any(instance in e.key for e in prof.key_averages()), instance
+        torch.testing.assert_close(got.float(), want.float(), atol=2e-2, rtol=2e-2, msg=instance)

@@ -566,3 +566,55 @@ def test_gpu_debug_mode_checks_index_values_and_mask_bits():
                                              case.qo_indptr, bad_mask)
     torch.cuda.synchronize()
     assert out.shape == (6, 4, 128)
+
+
+# ----------------------------------------------------------------------------- GPU: every configuration
+def _launched_kernels(fn) -> set:
+    """The CUDA kernel names (demangled, as the profiler gives them) that fn() launches."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        fn()
+        torch.cuda.synchronize()
+    return {e.key for e in prof.key_averages()}
+
+
+# (drafts, q heads, KV heads) of one request: 1, 16, 32, 64 and 128 rows per (request, KV head)
+_CONFIG_CANDIDATES = [(1, 4, 4), (4, 8, 2), (8, 8, 2), (16, 8, 2), (16, 32, 4)]
+
+
+@pytest.mark.gpu
+def test_gpu_every_configuration_runs_and_matches_the_reference():
+    """Each compiled CUDA tree-verify configuration (16-bit and fp8 caches) that this GPU can run
+    is launched (the launch rule steered by spec_kernels.testing.launch_rule_as_on to the shared
+    memory of the named GPU whose rule takes it) and matches the reference."""
+    from spec_kernels import _ops
+    from spec_kernels.attention.plan import DEVICES, device_limits
+    from spec_kernels.testing import launch_rule_as_on
+    from spec_kernels.tree_verify import cuda as tv_cuda
+
+    own = device_limits(torch.cuda.current_device())
+    ran = set()
+    for c in (c for c in _ops.kernel_configs() if c.kernel == tv_cuda.KERNEL):
+        fp8 = bool(c.kv_fp8)
+        found = next(((n, hq, hkv, lim) for lim in DEVICES.values() if lim.smem_per_sm <= own.smem_per_sm
+                      for n, hq, hkv in _CONFIG_CANDIDATES
+                      if tv_cuda.cuda_tree_verify_block_m(c.head_dim, n * hq // hkv, lim, fp8) == c.block_m), None)
+        assert found is not None, f"no case reaches {c.template_args} on this GPU"
+        n, hq, hkv, lim = found
+        case = make_case([n], [300], hq=hq, hkv=hkv, d=c.head_dim, dtype=torch.bfloat16, seed=41, device="cuda")
+        k, v, kw = case.k_cache, case.v_cache, {}
+        if fp8:
+            k, v = (t.float().div(0.05).to(torch.float8_e4m3fn) for t in (k, v))
+            kw = dict(k_scale=0.05, v_scale=0.05)
+        args = (case.q, k, v, *case.args[3:])
+        want = spec_kernels.tree_verify_attention(*args, impl="reference", max_draft_tokens=n, **kw)
+        with launch_rule_as_on(lim.smem_per_sm):
+            got = {}
+            names = _launched_kernels(lambda: got.setdefault("out", spec_kernels.tree_verify_attention(
+                *args, impl="cuda", max_draft_tokens=n, **kw)))
+        instance = f"tree_verify_kernel<__nv_bfloat16, {c.template_args.replace(',', ', ')}>"
+        assert any(instance in name for name in names), (instance, names)
+        torch.testing.assert_close(got["out"].float(), want.float(), atol=2e-2, rtol=2e-2, msg=instance)
+        ran.add(c.template_args)
+    assert ran

@@ -63,7 +63,7 @@ MUTANTS = {
         "((lane / 16) * 8 + x7) * Tile::kPStride + (lane / 8 % 2) * 16", "mismatch"),
     "mla_one_accumulator_chain": (
         MLA, "S = Q K^T: the odd k16 steps' chain is dropped",
-        "s[e] = s2[0][e] + s2[1][e];", "s[e] = s2[0][e];", "mismatch"),
+        "s[0][e] = s2[0][e] + s2[1][e];", "s[0][e] = s2[0][e];", "mismatch"),
     "mla_owner_max_only": (
         MLA, "every warp rescales O with its own units' row maxima only (no exchange)",
         "for (int n = 0; n < kNWarps; ++n) mx = fmaxf(mx, cells[n]);",

@@ -36,7 +36,7 @@ from typing import Optional, Sequence
 
 from tools.speed_of_light.gpus import GPUS, LATENCY_CYCLES, Gpu
 from tools.speed_of_light.model import (CALIBRATION_BAND, Prediction, Work, combine, expected_range, fit_linear,
-                                        fmt_seconds, predict, work_from_stats)
+                                        distinct_bytes, fmt_seconds, predict, work_from_stats)
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 D = 128
@@ -164,13 +164,8 @@ class Simulator:
         return self._cached(("cuda", arch, n, group, prefix), make)
 
     def merge(self, arch: str, n: int, group: int, splits: int) -> Work:
-        def make():
-            ops = self._run(arch, n, group, 64 * splits, splits=splits)
-            name, grid, block, smem, st = ops.launches[-1]
-            if not name.startswith("merge"):
-                raise RuntimeError(f"expected the split merge as the last launch, got {name}")
-            return work_from_stats(st.as_dict(), int(math.prod(grid)))
-        return self._cached(("cuda-merge", arch, n, group, splits), make)
+        return self._cached(("cuda-merge", arch, n, group, splits), lambda: _merge_work(
+            self._run(arch, n, group, 64 * splits, splits=splits), "merge"))
 
     def mla(self, arch: str, n: int, heads: int, prefix: int) -> tuple[Work, float, dict]:
         """One request's MLA launch at `prefix` keys: (Work per CTA, distinct DRAM bytes of the
@@ -179,19 +174,13 @@ class Simulator:
             ops = self._run_mla(arch, n, heads, prefix, splits=1)
             name, grid, block, smem, st = ops.launches[0]
             d = st.as_dict()
-            distinct = sum(d["unique_bytes_read_by_buffer"].values()) + sum(d["unique_bytes_written_by_buffer"].values())
-            return (work_from_stats(d, int(math.prod(grid))), float(distinct),
+            return (work_from_stats(d, int(math.prod(grid))), distinct_bytes(d),
                     dict(grid=list(grid), block=list(block), smem=smem))
         return self._cached(("mla", arch, n, heads, prefix), make)
 
     def mla_merge(self, arch: str, n: int, heads: int, splits: int) -> Work:
-        def make():
-            ops = self._run_mla(arch, n, heads, 64 * splits, splits=splits)
-            name, grid, block, smem, st = ops.launches[-1]
-            if not name.startswith("mla_merge"):
-                raise RuntimeError(f"expected the MLA split merge as the last launch, got {name}")
-            return work_from_stats(st.as_dict(), int(math.prod(grid)))
-        return self._cached(("mla-merge", arch, n, heads, splits), make)
+        return self._cached(("mla-merge", arch, n, heads, splits), lambda: _merge_work(
+            self._run_mla(arch, n, heads, 64 * splits, splits=splits), "mla_merge"))
 
     def triton(self, target: TritonTarget, kernel: str, *key) -> list:
         """The launches of one Triton run (`_TRITON_RUNS[kernel](*key)`) for `target`, as
@@ -250,6 +239,14 @@ class Simulator:
         return ops
 
 
+def _merge_work(ops, kernel: str) -> Work:
+    """Work per CTA of a split run's last launch, which must be the split merge `kernel`."""
+    name, grid, block, smem, st = ops.launches[-1]
+    if not name.startswith(kernel):
+        raise RuntimeError(f"expected the split merge {kernel} as the last launch, got {name}")
+    return work_from_stats(st.as_dict(), int(math.prod(grid)))
+
+
 def _run_triton(target: TritonTarget, body, *key) -> tuple:
     from tools.ptx_harness.triton_glue import TritonPtxRunner
 
@@ -261,8 +258,7 @@ def _run_triton(target: TritonTarget, body, *key) -> tuple:
     out = []
     for launch in runner.launches:
         d = launch.stats.as_dict()
-        distinct = sum(d["unique_bytes_read_by_buffer"].values()) + sum(d["unique_bytes_written_by_buffer"].values())
-        out.append((work_from_stats(d, int(math.prod(launch.grid))), float(distinct),
+        out.append((work_from_stats(d, int(math.prod(launch.grid))), distinct_bytes(d),
                     dict(kernel=launch.kernel, grid=list(launch.grid), block=list(launch.block), smem=launch.shared)))
     return out, value
 

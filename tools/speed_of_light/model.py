@@ -149,11 +149,17 @@ def combine(parts: list[Prediction], *, ideal_bytes: float, gpu: Gpu, ideal_flop
                       sum(p.seconds_in_order or p.seconds for p in parts))
 
 
+def distinct_bytes(stats: Mapping) -> float:
+    """The distinct bytes a launch read and wrote (32-byte sectors per buffer, the interpreter's
+    unique_bytes_*_by_buffer): its DRAM traffic if nothing is evicted."""
+    return float(sum(stats.get("unique_bytes_read_by_buffer", {}).values()) +
+                 sum(stats.get("unique_bytes_written_by_buffer", {}).values()))
+
+
 def work_from_stats(stats: Mapping, ctas: int, schedulers: int = 4) -> Work:
     """Per-CTA work from a ptxsim `Stats.as_dict()` of a launch of `ctas` identical CTAs."""
     shared = sum(stats.get("shared_wavefronts", {}).values())
-    dram = sum(stats.get("unique_bytes_read_by_buffer", {}).values()) + \
-        sum(stats.get("unique_bytes_written_by_buffer", {}).values())
+    dram = distinct_bytes(stats)
     return Work(issue=stats["issue_per_scheduler_max"], shared_wavefronts=shared / ctas,
                 tensor_flops={d: f / ctas for d, f in mma_flops(stats.get("mma", {})).items()},
                 l2_bytes=stats["l2_sector_requests"] * 32 / ctas, dram_bytes=dram / ctas,

@@ -25,13 +25,27 @@ cudaError_t opt_in_dynamic_smem_once(int device) {
   return err;
 }
 
-// The device's shared memory per SM and the part of it reserved per CTA, asked once per device.
+// For tests: launches choose their configuration as if the device had at most this much shared
+// memory per SM (0: its own). One GPU then runs the configurations the launch rule gives a GPU
+// with less (an H200 those of sm_120). Process-wide; never raises a device's own figure.
+inline std::atomic<int>& launch_smem_limit() {
+  static std::atomic<int> limit{0};
+  return limit;
+}
+
+// The shared memory per SM the launch rule sees: the device's, capped by launch_smem_limit().
+constexpr int capped_smem_per_sm(int per_sm, int limit) { return limit > 0 && limit < per_sm ? limit : per_sm; }
+
+// The device's shared memory per SM (as the launch rule sees it) and the part of it reserved per
+// CTA, asked once per device.
 inline cudaError_t device_smem(int device, int& per_sm, int& reserved) {
+  const int limit = launch_smem_limit().load(std::memory_order_relaxed);
   static std::atomic<int> known_per_sm[kMaxCachedDevices];  // 0: not yet asked
   static std::atomic<int> known_reserved[kMaxCachedDevices];
   const bool cached = device >= 0 && device < kMaxCachedDevices;
   if (cached && (per_sm = known_per_sm[device].load(std::memory_order_acquire)) != 0) {
     reserved = known_reserved[device].load(std::memory_order_relaxed);
+    per_sm = capped_smem_per_sm(per_sm, limit);
     return cudaSuccess;
   }
   cudaError_t err = cudaDeviceGetAttribute(&per_sm, cudaDevAttrMaxSharedMemoryPerMultiprocessor, device);
@@ -41,6 +55,7 @@ inline cudaError_t device_smem(int device, int& per_sm, int& reserved) {
     known_reserved[device].store(reserved, std::memory_order_relaxed);
     known_per_sm[device].store(per_sm, std::memory_order_release);
   }
+  per_sm = capped_smem_per_sm(per_sm, limit);
   return cudaSuccess;
 }
 
