@@ -223,26 +223,27 @@ def run_mla32(ops, monkeypatch):
     mla.assert_matches(c, out, lse, ref, ref_lse)
 
 
-def run_mla64(ops, monkeypatch):
-    # bf16, 5 drafts x 9 heads (45 rows: a 64-row CTA of 8 warps, 16-key tiles, 2 KV stages; rows
-    # 45-63 empty) after 40 prefix keys: 3 prefix tiles (the third a partial one, 8 keys) and a tail
-    # tile, so tiles 2 and 3 are gathered into the stages tiles 0 and 1 were read from.
+def _run_mla_64_rows(ops, monkeypatch, prefix, instance):
+    """bf16, 5 drafts x 9 heads (45 rows: one 64-row CTA of 8 warps, rows 45-63 empty) after
+    `prefix` keys, one split; the launched instance's mangled template arguments end in `instance`."""
     monkeypatch.setattr(mla_cuda, "cuda_ops", lambda: ops)
-    c = mla.make_case([5], [40], 9, torch.bfloat16, seed=8)
+    c = mla.make_case([5], [prefix], 9, torch.bfloat16, seed=8)
     out, lse, ref, ref_lse = mla.run_both(c, splits=1)
-    assert [name for name, *_ in ops.launches][0].endswith("Li4ELb0ELi1E")
+    assert [name for name, *_ in ops.launches][0].endswith(instance)
     mla.assert_matches(c, out, lse, ref, ref_lse)
+
+
+def run_mla64(ops, monkeypatch):
+    # 16-key tiles, 2 KV stages; 40 prefix keys: 3 prefix tiles (the third a partial one, 8 keys)
+    # and a tail tile, so tiles 2 and 3 are gathered into the stages tiles 0 and 1 were read from.
+    _run_mla_64_rows(ops, monkeypatch, 40, "Li4ELb0ELi1E")
 
 
 def run_mla_ksplit(ops, monkeypatch):
-    # bf16, 5 drafts x 9 heads (45 rows: one 64-row CTA, rows 45-63 empty) after 70 prefix keys on
-    # the sm_90a PTX: sm_90's configuration (32-key tiles, 3 stages): 3 prefix tiles (the third a
-    # partial one, 6 keys) and a tail tile, so tile 3 is gathered into the stage of tile 0.
-    monkeypatch.setattr(mla_cuda, "cuda_ops", lambda: ops)
-    c = mla.make_case([5], [70], 9, torch.bfloat16, seed=8)
-    out, lse, ref, ref_lse = mla.run_both(c, splits=1)
-    assert [name for name, *_ in ops.launches][0].endswith("Li4ELb0ELi4E")
-    mla.assert_matches(c, out, lse, ref, ref_lse)
+    # the sm_90a PTX: sm_90's configuration (32-key tiles, 3 stages); 70 prefix keys: 3 prefix
+    # tiles (the third a partial one, 6 keys) and a tail tile, so tile 3 is gathered into the
+    # stage of tile 0.
+    _run_mla_64_rows(ops, monkeypatch, 70, "Li4ELb0ELi4E")
 
 
 def run_mla_late_first_key(ops, monkeypatch):
