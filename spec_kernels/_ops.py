@@ -97,14 +97,12 @@ def kernel_configs() -> tuple[LaunchShape, ...]:
     return tuple(out)
 
 
-def kernel_config(kernel: str, head_dim: int, block_m: int, kv_fp8: bool = False,
-                  block_n: Optional[int] = None) -> LaunchShape:
-    """The compiled configuration of `kernel` for (head_dim, block_m), the cache kind (kv_fp8:
-    the fp8-cache instance) and, where block_m has more than one, `block_n` keys per tile (None:
-    the first listed); ValueError naming the compiled ones when there is none."""
+def kernel_config(kernel: str, head_dim: int, block_m: int, kv_fp8: bool = False) -> LaunchShape:
+    """The compiled configuration of `kernel` for (head_dim, block_m) and the cache kind (kv_fp8:
+    the fp8-cache instance; where block_m has several, the first listed: the launch configs name
+    the one a device takes); ValueError naming the compiled ones when there is none."""
     for c in kernel_configs():
-        if ((c.kernel, c.head_dim, c.block_m, c.kv_fp8) == (kernel, head_dim, block_m, int(kv_fp8))
-                and block_n in (None, c.block_n)):
+        if (c.kernel, c.head_dim, c.block_m, c.kv_fp8) == (kernel, head_dim, block_m, int(kv_fp8)):
             return c
     have = ", ".join(f"({c.head_dim}, {c.block_m})" for c in kernel_configs()
                      if c.kernel == kernel and c.kv_fp8 == int(kv_fp8))

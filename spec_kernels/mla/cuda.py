@@ -9,7 +9,8 @@ import torch
 
 from .._ops import LaunchShape, cuda_ops, kernel_config, mla_launch_config
 from ..attention.checks import KV_FP8_DTYPES, NO_SCALES, KvScales, cuda_cache_dtype_refusal, cuda_row_chunk_refusal
-from ..attention.plan import DeviceLimits, KernelResources, SplitTraffic, SplitWorkspace, expected_rows, max_rows, mean_prefix
+from ..attention.plan import (DeviceLimits, KernelResources, SplitTraffic, SplitWorkspace, expected_rows, max_rows,
+                              mean_prefix)
 from ..attention.plan import num_kv_splits as plan_splits
 
 HEAD_DIM, V_HEAD_DIM = 576, 512  # kMlaHeadDim / kMlaVHeadDim in csrc/include/spec_kernels/mla.h
@@ -87,5 +88,6 @@ def cuda_mla_resources(block_m: int, kv_fp8: bool = False, limits: Optional[Devi
     every device can run), as the extension reports them (MlaTile and the list of configurations
     in csrc/include/spec_kernels/mla_config.h). ValueError when there is none."""
     c = launch_config(block_m, limits, kv_fp8)
-    c = kernel_config(KERNEL, HEAD_DIM, block_m, kv_fp8, c.block_n if c.block_m == block_m else None)
+    if c.block_m != block_m:
+        c = kernel_config(KERNEL, HEAD_DIM, block_m, kv_fp8)  # raises: no configuration of block_m rows
     return KernelResources(c.threads, c.regs, c.smem_bytes)
