@@ -62,26 +62,6 @@ using mla::kDv;
 using mla::kKSteps;
 using mla::kRowBytes;
 
-// A per-lane constant the tile loop reads: the opaque move keeps ptxas from recomputing it from the
-// thread id in every iteration.
-__device__ __forceinline__ uint32_t pinned(uint32_t x) {
-  asm volatile("mov.b32 %0, %0;" : "+r"(x));
-  return x;
-}
-template <typename T>
-__device__ __forceinline__ const T* pinned(const T* x) {
-  asm volatile("mov.b64 %0, %0;" : "+l"(x));
-  return x;
-}
-
-// 2^x in one MUFU.EX2 (exp2f adds a range fix-up for results below 2^-126: here such weights and
-// rescale factors are negligible against the row's largest weight, 1). ex2(-inf) = 0, NaN stays NaN.
-__device__ __forceinline__ float ex2(float x) {
-  float y;
-  asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
-  return y;
-}
-
 // MlaTile<kMTiles> (the tile constants) and the list of configurations: spec_kernels/mla_config.h.
 
 template <typename T, int kMTiles, bool kFp8, int kKSplit>

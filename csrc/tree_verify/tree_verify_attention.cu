@@ -38,6 +38,9 @@ namespace {
 // The configurations (TileConfig<D, rows, fp8>) and the launch's choice among them:
 // spec_kernels/tree_verify_config.h.
 
+// How far (log2) a tile's row max may exceed the running max before O and l are rescaled to it.
+constexpr float kLazyRescaleLog2 = 8.f;
+
 template <typename T, int D, int kRows, bool kFp8>
 __global__ void __launch_bounds__(TileConfig<D, kRows, kFp8>::kThreads, TileConfig<D, kRows, kFp8>::kMinCtasPerSm)
     tree_verify_kernel(const TreeVerifyParams p) {
@@ -238,6 +241,20 @@ __global__ void __launch_bounds__(TileConfig<D, kRows, kFp8>::kThreads, TileConf
     __syncthreads();  // the Q tile is in stage kStages - 1: the loop's first prefetch fills it
   }
 
+  // This warp's K and V fragment addresses within a stage, per lane: the swizzle of chunk c of a
+  // row r is (c ^ r % 8), and r % 8 = lane % 8 for every fragment (key0 and the tiles' rows are
+  // multiples of 8), so chunk 8 * a + b maps to 8 * a + (b ^ lane % 8): four offsets per operand
+  // and compile-time steps (16 bytes per chunk, kRowBytes per row).
+  constexpr int kRowBytes = kChunks * 16;
+  const int key0 = wn * keys_per_warp;  // this warp's first key within a tile
+  const int x7 = lane % 8;
+  uint32_t k_off[4], v_off[4];
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    k_off[i] = pinned((key0 + lane / 16 * 8 + x7) * kRowBytes + (((2 * i + lane / 8 % 2) ^ x7) << 4));
+    v_off[i] = pinned((key0 + lane / 8 % 2 * 8 + x7) * kRowBytes + (((2 * i + lane / 16) ^ x7) << 4));
+  }
+
   for (int t = 0; t < total_tiles; ++t) {
     // Stage (t - 1) % kStages, read by the previous iteration, gets tile t + kStages - 1.
     load_tile(t + kStages - 1, (t + kStages - 1) % kStages);
@@ -259,13 +276,13 @@ __global__ void __launch_bounds__(TileConfig<D, kRows, kFp8>::kThreads, TileConf
     }
     const int base = tile_base(t), end = tile_end(t);
     const bool is_tail = t >= prefix_tiles;
-    const int key0 = wn * keys_per_warp;  // this warp's first key within the tile
     // A warp whose keys of the tile are all past `end` (decode's tail tile holds one key: 3 of its
     // 4 warps), or whose 16 rows are all past rows_here, skips it. Warp-uniform; per-n8-tile
     // predicates would cost more than they save.
     const bool live = end - base > key0 && wm * 16 < rows_here;
 
     if (live) {
+      const uint32_t k_base = smem_addr(k_s), v_base = smem_addr(v_s);
       // S = Q K^T for 16 rows x keys_per_warp keys, k16 steps over D
       float s[Cfg::kMaxNTiles][4];
 #pragma unroll
@@ -283,60 +300,91 @@ __global__ void __launch_bounds__(TileConfig<D, kRows, kFp8>::kThreads, TileConf
         for (int j = 0; j < Cfg::kMaxNTiles; j += 2) {
           if (j < ntiles) {
             uint32_t b[4];
-            ldmatrix_x4(b, smem_addr(k_s + swizzled<kChunks>(key0 + j * 8 + (lane / 16) * 8 + lane % 8,
-                                                            kk * 2 + lane / 8 % 2)));
+            ldmatrix_x4(b, k_base + k_off[kk % 4] + j * 8 * kRowBytes + kk / 4 * 128);
             mma_16816<T>(s[j], a, b[0], b[1]);
             mma_16816<T>(s[j + 1], a, b[2], b[3]);
           }
         }
       }
 
-      // scale; mask keys past the end (last tile of a range) and, in the tail, non-ancestors
+      // The tile's row maxima in the log2 domain. A full prefix tile (no key masked) takes them
+      // from the raw scores' extremes and scales while exponentiating (one FFMA per score); a
+      // visible non-finite logit (an inf in q or k, or overflow) turns the row NaN, as in the
+      // reference: NaN logits already propagate, an infinite one is an infinite extreme. Else
+      // every score is scaled, a non-finite one made NaN, and keys past the end (last tile of a
+      // range) and, in the tail, non-ancestors set to -inf.
       const bool full = !is_tail && base + kStageKeys <= end;
+      const float mult = full ? qk_scale_log2 : 1.f;  // exponent: s * mult - max
+      float tile_max[2], poison[2] = {0.f, 0.f};
+      if (full) {
 #pragma unroll
-      for (int j = 0; j < Cfg::kMaxNTiles; ++j) {
-        if (j >= ntiles) continue;
+        for (int h = 0; h < 2; ++h) {
+          float hi = -INFINITY, lo = INFINITY;
 #pragma unroll
-        for (int e = 0; e < 4; ++e) {
-          float x = finite_or_nan(s[j][e] * qk_scale_log2);
-          if (!full) {
+          for (int j = 0; j < Cfg::kMaxNTiles; ++j) {
+            if (j < ntiles) {
+              hi = fmaxf(hi, fmaxf(s[j][2 * h], s[j][2 * h + 1]));
+              lo = fminf(lo, fminf(s[j][2 * h], s[j][2 * h + 1]));
+            }
+          }
+          const float a = hi * qk_scale_log2, b = lo * qk_scale_log2;  // either sign of the scale
+          tile_max[h] = fmaxf(a, b);
+          poison[h] = fabsf(a) < INFINITY && fabsf(b) < INFINITY ? 0.f : NAN;
+        }
+      } else {
+        tile_max[0] = tile_max[1] = -INFINITY;
+#pragma unroll
+        for (int j = 0; j < Cfg::kMaxNTiles; ++j) {
+          if (j >= ntiles) continue;
+#pragma unroll
+          for (int e = 0; e < 4; ++e) {
+            float x = finite_or_nan(s[j][e] * qk_scale_log2);
             const int pos = base + key0 + j * 8 + t4 * 2 + (e & 1);
             bool visible = pos < end;
             // min(.., 63): n_b > 64 (invalid, unchecked on the GPU) must not shift by >= 64 (UB); as Triton.
             if (is_tail && visible) visible = (row_mask[e >> 1] >> min(pos - prefix_len, 63)) & 1ull;
             x = visible ? x : -INFINITY;
+            s[j][e] = x;
+            tile_max[e >> 1] = fmaxf(tile_max[e >> 1], x);
           }
-          s[j][e] = x;
         }
       }
 
-      // online softmax (base 2) for the thread's two rows; a quad of lanes shares a row
+      // Online softmax (base 2) for the thread's two rows; a quad of lanes shares a row. The
+      // running max moves only when a tile's exceeds it by more than kLazyRescaleLog2: weights
+      // stay below 2^kLazyRescaleLog2 (exact enough in fp32 sums and 16-bit P), l and O stay
+      // consistent with the max they were weighted by, and the O rescale is skipped by a warp whose
+      // rows all kept theirs (most tiles after the first). m_safe is finite: a row with no
+      // visible key so far subtracts -FLT_MAX, so that 2^(-inf - m_safe) = 0 without a select.
+      bool grow[2];
+      float alpha[2];
 #pragma unroll
       for (int h = 0; h < 2; ++h) {
-        float mx = m_i[h];
-#pragma unroll
-        for (int j = 0; j < Cfg::kMaxNTiles; ++j) {
-          if (j < ntiles) mx = fmaxf(mx, fmaxf(s[j][2 * h], s[j][2 * h + 1]));
-        }
+        float mx = tile_max[h];
         mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
         mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
-        const float m_safe = mx == -INFINITY ? 0.f : mx;
-        const float alpha = exp2f(m_i[h] - m_safe);
-        float row_sum = 0.f;
+        grow[h] = mx > m_i[h] + kLazyRescaleLog2;
+        alpha[h] = grow[h] ? ex2(m_i[h] - mx) : 1.f;
+        m_i[h] = grow[h] ? mx : m_i[h];
+        const float m_safe = fmaxf(m_i[h], -FLT_MAX);
+        float row_sum = poison[h];
 #pragma unroll
         for (int j = 0; j < Cfg::kMaxNTiles; ++j) {
           if (j < ntiles) {
-            s[j][2 * h] = exp2f(s[j][2 * h] - m_safe);
-            s[j][2 * h + 1] = exp2f(s[j][2 * h + 1] - m_safe);
+            s[j][2 * h] = ex2(fmaf(s[j][2 * h], mult, -m_safe));
+            s[j][2 * h + 1] = ex2(fmaf(s[j][2 * h + 1], mult, -m_safe));
             row_sum += s[j][2 * h] + s[j][2 * h + 1];
           }
         }
-        l_i[h] = l_i[h] * alpha + row_sum;
-        m_i[h] = mx;
+        l_i[h] = l_i[h] * alpha[h] + row_sum;
+      }
+      if (__any_sync(0xffffffffu, grow[0] || grow[1])) {
 #pragma unroll
         for (int d = 0; d < Cfg::kDvTiles; ++d) {
-          acc[d][2 * h] *= alpha;
-          acc[d][2 * h + 1] *= alpha;
+          acc[d][0] *= alpha[0];
+          acc[d][1] *= alpha[0];
+          acc[d][2] *= alpha[1];
+          acc[d][3] *= alpha[1];
         }
       }
 
@@ -349,8 +397,7 @@ __global__ void __launch_bounds__(TileConfig<D, kRows, kFp8>::kThreads, TileConf
 #pragma unroll
           for (int d = 0; d < Cfg::kDvTiles; d += 2) {
             uint32_t b[4];
-            ldmatrix_x4_trans(b, smem_addr(v_s + swizzled<kChunks>(key0 + j * 8 + (lane / 8 % 2) * 8 + lane % 8,
-                                                                  d + lane / 16)));
+            ldmatrix_x4_trans(b, v_base + v_off[d % 8 / 2] + j * 8 * kRowBytes + d / 8 * 128);
             mma_16816<T>(acc[d], a, b[0], b[1]);
             mma_16816<T>(acc[d + 1], a, b[2], b[3]);
           }

@@ -26,12 +26,12 @@ SM = "include/spec_kernels/split_merge.cuh"  # the split merge of both attention
 # name: (file, what, old text, new text)
 MUTANTS = {
     "v_not_transposed": (TV, "V read with ldmatrix without .trans",
-                         "ldmatrix_x4_trans(b, smem_addr(v_s", "ldmatrix_x4(b, smem_addr(v_s"),
+                         "ldmatrix_x4_trans(b, v_base", "ldmatrix_x4(b, v_base"),
     "v_rows_from_lane16": (TV, "V ldmatrix: key row block from lane / 16 instead of lane / 8 % 2",
-                           "v_s + swizzled<kChunks>(key0 + j * 8 + (lane / 8 % 2) * 8 + lane % 8,",
-                           "v_s + swizzled<kChunks>(key0 + j * 8 + (lane / 16) * 8 + lane % 8,"),
+                           "v_off[i] = pinned((key0 + lane / 8 % 2 * 8 + x7)",
+                           "v_off[i] = pinned((key0 + lane / 16 * 8 + x7)"),
     "k_chunk_from_lane16": (TV, "K ldmatrix: k chunk from lane / 16 instead of lane / 8 % 2",
-                            "kk * 2 + lane / 8 % 2)));", "kk * 2 + lane / 16)));"),
+                            "(((2 * i + lane / 8 % 2) ^ x7) << 4));", "(((2 * i + lane / 16) ^ x7) << 4));"),
     "p_fragment_order": (TV, "P as A fragment: registers a1 and a2 swapped",
                          "pack2<T>(s[j][2], s[j][3]),\n                           pack2<T>(s[j + 1][0], s[j + 1][1])",
                          "pack2<T>(s[j + 1][0], s[j + 1][1]),\n                           pack2<T>(s[j][2], s[j][3])"),
@@ -65,6 +65,43 @@ MUTANTS = {
                                       "for (int d = 0; seen && d < Cfg::kDvTiles; ++d) {\n"
                                       "        *reinterpret_cast<float2*>"),
 }
+
+
+# Mutants of the online softmax (the full-tile fast path, lazy rescaling), run on the cases that
+# reach them: scores growing tile by tile, an infinite logit in a full tile, a negative scale.
+SOFTMAX_MUTANTS = {
+    "o_rescale_skipped": (TV, "O never rescaled when the running max moves",
+                          "if (__any_sync(0xffffffffu, grow[0] || grow[1])) {", "if (false) {"),
+    "l_not_rescaled": (TV, "l keeps its old weighting when the running max moves",
+                       "l_i[h] = l_i[h] * alpha[h] + row_sum;", "l_i[h] = l_i[h] + row_sum;"),
+    "max_moves_without_rescale": (TV, "the running max follows every tile's max, rescaling only past the threshold",
+                                  "m_i[h] = grow[h] ? mx : m_i[h];", "m_i[h] = fmaxf(mx, m_i[h]);"),
+    "rescale_threshold_negative": (TV, "the threshold test inverted (rescale only when the max falls behind)",
+                                   "grow[h] = mx > m_i[h] + kLazyRescaleLog2;", "grow[h] = mx < m_i[h] + kLazyRescaleLog2;"),
+    "full_tile_unscaled": (TV, "the full-tile path exponentiates raw scores",
+                           "const float mult = full ? qk_scale_log2 : 1.f;", "const float mult = 1.f;"),
+    "full_tile_poison_dropped": (TV, "an infinite logit in a full tile is not turned into NaN",
+                                 "poison[h] = fabsf(a) < INFINITY && fabsf(b) < INFINITY ? 0.f : NAN;",
+                                 "poison[h] = 0.f;"),
+    "full_tile_max_of_raw_max_only": (TV, "the row max from the raw maximum alone (wrong for a negative scale)",
+                                      "tile_max[h] = fmaxf(a, b);", "tile_max[h] = a;"),
+}
+
+
+def run_softmax_edges(ops):
+    for splits in (0, 2):
+        case = tv.growing_scores_case()
+        out, lse = tv.run_ptx(case, ops, splits=splits)
+        ref, ref_lse = tv.reference(case)
+        torch.testing.assert_close(out.float(), ref.float(), atol=2e-2, rtol=2e-2, equal_nan=True)
+        torch.testing.assert_close(lse, ref_lse.float(), atol=1e-4, rtol=1e-4, equal_nan=True)
+    out, lse = tv.run_ptx(tv.infinite_logit_case(), ops)
+    assert torch.isnan(out[3:].float()).all() and torch.isnan(lse[3:]).all()
+    case = make_case([6, 2], [300, 70], hq=4, hkv=2, d=64, dtype=torch.bfloat16, kind="random", seed=9)
+    out, lse = tv.run_ptx(case, ops, sm_scale=-4.0)
+    ref, ref_lse = tv.reference(case, sm_scale=-4.0)
+    torch.testing.assert_close(out.float(), ref.float(), atol=2e-2, rtol=2e-2)
+    torch.testing.assert_close(lse, ref_lse.float(), atol=1e-4, rtol=1e-4)
 
 
 # Not a mutant any more: "no __syncthreads before the warps_n merge reuses the tiles' memory".
@@ -190,13 +227,15 @@ def test_unmutated_case_passes():
     run_tree_verify_wide(PtxCudaOps())
     run_tree_verify_fp8(PtxCudaOps())
     run_merge(PtxCudaOps())
+    run_softmax_edges(PtxCudaOps())
 
 
 # Each mutant with the case that runs its configuration.
 CASES = {**{name: (MUTANTS[name], run_tree_verify) for name in MUTANTS},
          **{name: (WIDE_MUTANTS[name], run_tree_verify_wide) for name in WIDE_MUTANTS},
          **{name: (FP8_MUTANTS[name], run_tree_verify_fp8) for name in FP8_MUTANTS},
-         **{name: (MERGE_MUTANTS[name], run_merge) for name in MERGE_MUTANTS}}
+         **{name: (MERGE_MUTANTS[name], run_merge) for name in MERGE_MUTANTS},
+         **{name: (SOFTMAX_MUTANTS[name], run_softmax_edges) for name in SOFTMAX_MUTANTS}}
 
 
 @pytest.mark.parametrize("name", sorted(CASES))

@@ -21,14 +21,15 @@ from tools.ptx_harness.cuda_glue import run_tree_verify as run_ptx
 TOL = {torch.bfloat16: 2e-2, torch.float16: 5e-3}
 
 
-def reference(case, decode=False):
+def reference(case, decode=False, sm_scale=None):
     T = case.kv_indptr.numel() - 1 if decode else case.q.shape[0]
     if decode:
         return spec_kernels.decode_attention(case.q[:T].float(), case.k_cache.float(), case.v_cache.float(),
-                                             case.kv_indptr, case.kv_indices, impl="reference", return_lse=True)
+                                             case.kv_indptr, case.kv_indices, sm_scale=sm_scale, impl="reference",
+                                             return_lse=True)
     return spec_kernels.tree_verify_attention(case.q.float(), case.k_cache.float(), case.v_cache.float(),
                                               case.kv_indptr, case.kv_indices, case.qo_indptr, case.tree_mask,
-                                              impl="reference", return_lse=True)
+                                              sm_scale=sm_scale, impl="reference", return_lse=True)
 
 
 def check(case, dtype, **kw):
@@ -97,6 +98,66 @@ def test_nan_in_attended_key_gives_nan_row_only():
     assert torch.isfinite(out[:3].float()).all() and torch.isfinite(lse[:3]).all()
     ref, ref_lse = reference(case)
     torch.testing.assert_close(out.float(), ref.float(), atol=2e-2, rtol=2e-2, equal_nan=True)
+
+
+def growing_scores_case(seed=31):
+    """Request 0's prefix keys scaled up tile by tile (x 1, 4, 7, ...): its rows' running max
+    jumps by more than 2^8 at most tiles (the O / l rescale), by less within them; request 1 is
+    plain random (the max stays within 2^8 of the first tile's: no rescale after it)."""
+    case = make_case([5, 3], [600, 200], hq=4, hkv=1, d=128, dtype=torch.bfloat16, kind="random", seed=seed)
+    start = int(case.kv_indptr[0])
+    for pos in range(600):
+        slot = int(case.kv_indices[start + pos])
+        case.k_cache[slot] = (case.k_cache[slot].float() * (1 + 3 * (pos // 64))).to(case.k_cache.dtype)
+    return case
+
+
+@pytest.mark.parametrize("splits", [0, 2])
+def test_running_max_growing_across_tiles(splits):
+    case = growing_scores_case()
+    check(case, torch.bfloat16, splits=splits)
+    _, ref_lse = reference(case)
+    assert ref_lse[:5].max() > ref_lse[5:].max() + 30  # the case grows the max far beyond 2^8
+
+
+def infinite_logit_case():
+    """Request 1's prefix key 70 (in tile 1, a full one) has an infinite element that its head-0
+    rows multiply by -1 and its head-1 rows by +1."""
+    case = make_case([3, 2], [200, 200], hq=2, hkv=1, d=64, dtype=torch.bfloat16, kind="chain", seed=6)
+    case.k_cache[int(case.kv_indices[int(case.kv_indptr[1]) + 70]), 0, 3] = float("inf")
+    case.q[3:, 0, 3] = -1.0
+    case.q[3:, 1, 3] = 1.0
+    return case
+
+
+@pytest.mark.parametrize("arch", ["sm_120a", "sm_90a"])
+def test_infinite_logit_in_a_full_tile_gives_nan_rows(arch):
+    """An infinite K element in a prefix tile without masked keys (the fast path, which finds it
+    from the raw scores' extremes): every row that sees it is NaN, the other request's are not,
+    whether its logit is -inf (head 0: the key would just weigh 0) or +inf (head 1); an infinite
+    Q element (row 2 of request 0) does the same to its own row only."""
+    case = infinite_logit_case()
+    case.q[2, 1, 5] = float("-inf")
+    ops = PtxCudaOps(arch=arch)
+    out, lse = run_ptx(case, ops)
+    ref, ref_lse = reference(case)
+    assert torch.isnan(out[3:].float()).all() and torch.isnan(lse[3:]).all()
+    assert torch.isnan(out[2, 1].float()).all() and torch.isnan(lse[2, 1])
+    assert torch.isfinite(out[:2].float()).all() and torch.isfinite(out[2, 0].float()).all()
+    torch.testing.assert_close(out.float(), ref.float(), atol=2e-2, rtol=2e-2, equal_nan=True)
+    torch.testing.assert_close(lse, ref_lse.float(), atol=1e-4, rtol=1e-4, equal_nan=True)
+
+
+@pytest.mark.parametrize("sm_scale", [-0.125, -4.0, 0.0])
+def test_negative_and_zero_softmax_scale(sm_scale):
+    """A negative scale makes the raw scores' minimum the row max (at -4 a tile's scores span far
+    more than 2^128, so any other max overflows the weights); zero gives uniform weights."""
+    case = make_case([6, 2], [300, 70], hq=4, hkv=2, d=64, dtype=torch.bfloat16, kind="random", seed=9)
+    ops = PtxCudaOps()
+    out, lse = run_ptx(case, ops, sm_scale=sm_scale)
+    ref, ref_lse = reference(case, sm_scale=sm_scale)
+    torch.testing.assert_close(out.float(), ref.float(), atol=2e-2, rtol=2e-2)
+    torch.testing.assert_close(lse, ref_lse.float(), atol=1e-4, rtol=1e-4)
 
 
 def test_counters_read_each_kv_byte_once():

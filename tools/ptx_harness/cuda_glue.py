@@ -388,11 +388,12 @@ def _kv_format(cache_dtype) -> int:
     return source_constant({torch.float8_e4m3fn: "kKvE4M3", torch.float8_e5m2: "kKvE5M2"}.get(cache_dtype, "kKvLikeQ"))
 
 
-def run_tree_verify(case, ops, *, decode=False, splits=0, max_draft_tokens=0, scales=None, out_offset=0):
+def run_tree_verify(case, ops, *, decode=False, splits=0, max_draft_tokens=0, scales=None, out_offset=0,
+                    sm_scale=None):
     """A spec_kernels.testing.Case through the real tree-verify binding (spec_kernels.tree_verify.cuda)
     with its cuda_ops pointing at `ops` (a PtxCudaOps); (out, lse), NaN where nothing was written.
     scales: the KvScales of an fp8 cache; out_offset: `out` starts this many elements into its
-    buffer (an odd offset: rows that are not 8-byte aligned)."""
+    buffer (an odd offset: rows that are not 8-byte aligned); sm_scale: D ** -0.5 when None."""
     from spec_kernels.attention.checks import NO_SCALES
     from spec_kernels.tree_verify import cuda as tv_cuda
 
@@ -408,7 +409,7 @@ def run_tree_verify(case, ops, *, decode=False, splits=0, max_draft_tokens=0, sc
     try:
         tv_cuda.tree_verify_attention(q, case.k_cache, case.v_cache, case.kv_indptr, case.kv_indices,
                                       None if decode else case.qo_indptr, None if decode else case.tree_mask,
-                                      D ** -0.5, out, lse, num_kv_splits=splits, max_draft_tokens=max_draft_tokens,
+                                      D ** -0.5 if sm_scale is None else sm_scale, out, lse, num_kv_splits=splits, max_draft_tokens=max_draft_tokens,
                                       scales=scales or NO_SCALES)
     finally:
         tv_cuda.cuda_ops = saved

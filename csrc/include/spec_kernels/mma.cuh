@@ -125,6 +125,26 @@ __device__ __forceinline__ uint32_t fp8x2_to(uint16_t bits, bool e5m2) {
   }
 }
 
+// A per-lane constant the tile loop reads: the opaque move keeps ptxas from recomputing it from the
+// thread id in every iteration.
+__device__ __forceinline__ uint32_t pinned(uint32_t x) {
+  asm volatile("mov.b32 %0, %0;" : "+r"(x));
+  return x;
+}
+template <typename T>
+__device__ __forceinline__ const T* pinned(const T* x) {
+  asm volatile("mov.b64 %0, %0;" : "+l"(x));
+  return x;
+}
+
+// 2^x in one MUFU.EX2 (exp2f adds a range fix-up for results below 2^-126: here such weights and
+// rescale factors are negligible against the row's largest weight, >= 1). ex2(-inf) = 0, NaN stays NaN.
+__device__ __forceinline__ float ex2(float x) {
+  float y;
+  asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
+  return y;
+}
+
 // Offset (in elements) of 16-byte chunk `chunk` of row `row` in a [rows][kChunks * 8] tile whose
 // chunks are XOR-swizzled by row: the 8 rows read by one ldmatrix hit 8 different bank groups.
 template <int kChunks>

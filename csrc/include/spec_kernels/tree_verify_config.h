@@ -22,11 +22,11 @@ namespace spec_kernels {
 // bf16): the planner's occupancy model reads them, tests/test_sass_report.py checks them
 // against the compiled cubins.
 #define SPEC_KERNELS_TREE_VERIFY_CONFIGS(X) \
-  X(64, 64, 156, 157)                       \
-  X(128, 64, 243, 232)                      \
+  X(64, 64, 165, 162)                       \
+  X(128, 64, 231, 215)                      \
   X(256, 64, 255, 255)                      \
-  X(128, 32, 190, 214)                      \
-  X(128, 128, 233, 233)
+  X(128, 32, 211, 216)                      \
+  X(128, 128, 222, 215)
 
 // kFp8: the cache holds 8-bit floats. The pipeline stages then hold the cache bytes (half the
 // global reads and cp.async traffic), and each tile is converted once into one K and one V tile of
