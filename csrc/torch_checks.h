@@ -70,7 +70,8 @@ inline void check_cuda_vector(const at::Tensor& t, const char* name, at::ScalarT
 // A LaunchShape as the exported ops return it: [head_dim, block_m, threads, smem_bytes, regs,
 // min_ctas_per_sm, kv_fp8, block_n] (spec_kernels/_ops.py LaunchShape reads it in this order).
 inline std::vector<int64_t> shape_values(const LaunchShape& s) {
-  return {s.head_dim, s.block_m, s.threads, s.smem_bytes, s.regs, s.min_ctas_per_sm, s.kv_fp8, s.block_n};
+  return {s.head_dim, s.block_m, s.threads, s.smem_bytes, s.regs, s.min_ctas_per_sm, s.kv_fp8, s.block_n,
+          s.warp_rows};
 }
 
 // One line of kernel_configs(): "<kernel> <template args> head_dim=.. block_m=.. ...".
@@ -79,7 +80,7 @@ inline std::string shape_line(const char* kernel, const std::string& template_ar
          " block_m=" + std::to_string(s.block_m) + " threads=" + std::to_string(s.threads) +
          " smem_bytes=" + std::to_string(s.smem_bytes) + " regs=" + std::to_string(s.regs) +
          " min_ctas_per_sm=" + std::to_string(s.min_ctas_per_sm) + " kv_fp8=" + std::to_string(s.kv_fp8) +
-         " block_n=" + std::to_string(s.block_n) + "\n";
+         " block_n=" + std::to_string(s.block_n) + " warp_rows=" + std::to_string(s.warp_rows) + "\n";
 }
 
 inline void check_launch(cudaError_t err, const char* op) {

@@ -64,8 +64,9 @@ def compiled_constants() -> Optional[dict[str, int]]:
 class LaunchShape:
     """The host half of a CUDA attention launch (csrc/include/spec_kernels/launch_shape.h): the
     configuration compiled for `head_dim` with `block_m` query rows per CTA (0: none), its threads,
-    dynamic shared memory, registers per thread (ptxas), __launch_bounds__ CTAs per SM and keys
-    per KV tile (`block_n`, which tells apart configurations of equal block_m).
+    dynamic shared memory, registers per thread (ptxas), __launch_bounds__ CTAs per SM, keys per
+    KV tile (`block_n`) and query rows of a warp's unit of work (`warp_rows`), which tell apart
+    configurations of equal block_m.
     `kernel` / `template_args` name the instance (e.g. tree_verify_kernel, "128,32")."""
 
     head_dim: int
@@ -76,6 +77,7 @@ class LaunchShape:
     min_ctas_per_sm: int
     kv_fp8: int = 0  # 1: the instance for fp8 KV caches
     block_n: int = 0
+    warp_rows: int = 0
     kernel: str = ""
     template_args: str = ""
 
@@ -133,8 +135,8 @@ def mla_launch_config(max_rows: int, smem_per_sm: int = 0, smem_reserved_per_cta
 
 def _named(shape: LaunchShape, kernel: str) -> LaunchShape:
     for c in kernel_configs():
-        if ((c.kernel, c.head_dim, c.block_m, c.kv_fp8, c.block_n)
-                == (kernel, shape.head_dim, shape.block_m, shape.kv_fp8, shape.block_n)):
+        if ((c.kernel, c.head_dim, c.block_m, c.kv_fp8, c.block_n, c.warp_rows)
+                == (kernel, shape.head_dim, shape.block_m, shape.kv_fp8, shape.block_n, shape.warp_rows)):
             return c
     return shape  # block_m 0: no configuration
 

@@ -29,11 +29,12 @@ def _extension():
 
 
 def unreachable(configs, choose) -> set:
-    """The (head_dim, block_m, kv_fp8) of `configs` that `choose(head_dim, rows, limits, kv_fp8)`
-    never returns over ROWS and the named GPUs."""
-    reached = {(c.head_dim, choose(c.head_dim, rows, limits, bool(c.kv_fp8)), c.kv_fp8)
-               for c in configs for rows in ROWS for limits in DEVICES.values()}
-    return {(c.head_dim, c.block_m, c.kv_fp8) for c in configs} - reached
+    """The (head_dim, block_m, warp_rows, kv_fp8) of `configs` that the launch configuration
+    `choose(head_dim, rows, limits, kv_fp8)` never is over ROWS and the named GPUs."""
+    reached = {(c.head_dim, s.block_m, s.warp_rows, c.kv_fp8)
+               for c in configs for rows in ROWS for limits in DEVICES.values()
+               for s in [choose(c.head_dim, rows, limits, bool(c.kv_fp8))]}
+    return {(c.head_dim, c.block_m, c.warp_rows, c.kv_fp8) for c in configs} - reached
 
 
 def _configs(kernel):
@@ -42,9 +43,10 @@ def _configs(kernel):
 
 def test_every_tree_verify_configuration_is_reachable_from_the_planner():
     configs = _configs(tv_cuda.KERNEL)
-    pairs = {(64, 64), (128, 64), (256, 64), (128, 32), (128, 128)}
-    assert {(c.head_dim, c.block_m, c.kv_fp8) for c in configs} >= {(*p, fp8) for p in pairs for fp8 in (0, 1)}
-    assert unreachable(configs, tv_cuda.cuda_tree_verify_block_m) == set()
+    kinds = {(64, 64, 16), (128, 64, 16), (256, 64, 16), (128, 32, 16), (128, 128, 16), (128, 128, 32)}
+    assert {(c.head_dim, c.block_m, c.warp_rows, c.kv_fp8) for c in configs} == {
+        (*k, fp8) for k in kinds for fp8 in (0, 1)}
+    assert unreachable(configs, tv_cuda.cuda_tree_verify_launch) == set()
 
 
 def mla_reached() -> dict:
@@ -71,14 +73,19 @@ def test_every_mla_configuration_is_reachable_from_the_planner():
 def test_the_reachability_check_catches_a_configuration_no_launch_takes():
     # A configuration compiled into the list but never chosen by the launch rule (here: 64 rows
     # at D = 96, a head dim the rule has no configuration for) is reported.
-    extra = _ops.LaunchShape(96, 64, 128, 1024, 128, 1, kernel=tv_cuda.KERNEL, template_args="96,64,false")
-    assert unreachable(_configs(tv_cuda.KERNEL) + [extra], tv_cuda.cuda_tree_verify_block_m) == {(96, 64, 0)}
+    extra = _ops.LaunchShape(96, 64, 128, 1024, 128, 1, 0, 64, 16, kernel=tv_cuda.KERNEL, template_args="96,64,false,1")
+    assert unreachable(_configs(tv_cuda.KERNEL) + [extra], tv_cuda.cuda_tree_verify_launch) == {(96, 64, 16, 0)}
 
 
 def test_the_planner_uses_the_compiled_resources():
     for c in _configs(tv_cuda.KERNEL):
-        r = tv_cuda.cuda_tree_verify_resources(c.head_dim, c.block_m, bool(c.kv_fp8))
-        assert (r.threads, r.regs_per_thread, r.smem_bytes) == (c.threads, c.regs, c.smem_bytes)
+        for name, limits in DEVICES.items():
+            s = tv_cuda.cuda_tree_verify_launch(c.head_dim, c.block_m, limits, bool(c.kv_fp8))
+            if (s.block_m, s.warp_rows) != (c.block_m, c.warp_rows):
+                continue  # another configuration of block_m rows runs on that device
+            r = tv_cuda.cuda_tree_verify_resources(c.head_dim, c.block_m, bool(c.kv_fp8), limits)
+            assert (r.threads, r.regs_per_thread, r.smem_bytes) == (c.threads, c.regs, c.smem_bytes)
+            assert c.smem_bytes <= limits.max_smem_per_cta, (c, name)
     reached = mla_reached()
     for c in _configs(mla_cuda.KERNEL):
         for name in reached[(c.block_m, c.block_n, c.kv_fp8)]:
@@ -87,8 +94,8 @@ def test_the_planner_uses_the_compiled_resources():
             assert c.smem_bytes <= DEVICES[name].max_smem_per_cta, (c, name)
     for c in _ops.kernel_configs():
         assert c.threads % 32 == 0 and 0 < c.regs <= 255
-        # every tree-verify configuration runs on sm_120 (99 KB); MLA's: as reached above
-        assert c.smem_bytes <= (99 if c.kernel == tv_cuda.KERNEL else 227) * 1024, c
+        # sm_90-only configurations (reached on the H200 alone, above) may take up to 227 KB
+        assert c.smem_bytes <= 227 * 1024, c
 
 
 def test_a_head_dim_without_a_configuration():
@@ -152,6 +159,7 @@ int main() {
         for (int fp8 = 0; fp8 < 2; ++fp8) {
           const auto c = spec_kernels::tree_verify_launch_shape(d, rows, s[0], s[1], fp8 != 0);
           std::printf("tv %d %d %d %d %d %d %d %d\n", d, rows, s[0], s[1], fp8, c.block_m, c.threads, c.smem_bytes);
+          std::printf("tv_w %d %d %d %d %d %d 0 0\n", d, rows, s[0], s[1], fp8, c.warp_rows);
         }
   for (int rows = 1; rows <= 130; ++rows)
     for (const auto& s : smem)
@@ -171,7 +179,8 @@ def launch_rule_table(tmp_path, patch=None) -> dict:
     head dims x rows 1..130 x the named GPUs' shared memory x cache kind: {("tv", d, rows, per_sm,
     reserved, fp8) or
     reserved, fp8) or ("mla", 576, rows, per_sm, reserved, fp8): (block_m, threads, smem_bytes), and
-    ("mla_n", ...): (block_n, 0, 0)}. patch = (header, old, new) compiles a mutant."""
+    ("mla_n", ...): (block_n, 0, 0), ("tv_w", ...): (warp_rows, 0, 0)}. patch = (header, old, new)
+    compiles a mutant."""
     import shutil
     import subprocess
 
@@ -213,6 +222,9 @@ def check_launch_rule(table) -> None:
                 # sm_120 (one 64-row CTA per SM): 32 rows up to 16, the 8-warp 128-row one for 17-64
                 want = 128 if rows > 64 else (32 if rows <= 16 else 128) if smem == rtx else 64
                 assert bm[("tv", 128, rows, *smem, fp8)] == want, (rows, smem, fp8)
+                # two m tiles per warp: > 64 rows where that 128-row configuration fits (sm_90)
+                want_w = 32 if rows > 64 and smem == h200 else 16
+                assert bm[("tv_w", 128, rows, *smem, fp8)] == want_w, (rows, smem, fp8)
             for fp8 in (0, 1):
                 mla = (576, rows, *smem, fp8)
                 assert bm[("mla", *mla)] == (16 if rows <= 16 else 32 if rows <= 32 else 64)
@@ -222,9 +234,12 @@ def check_launch_rule(table) -> None:
     # the test-only cap (launch_rule_as_on) lowers a device's shared memory, never raises it
     assert [bm[("cap", *c, 0, 0, 0)] for c in ((233472, 0), (233472, 102400), (102400, 233472), (102400, 102400))] \
         == [233472, 102400, 102400, 102400]
-    assert table[("tv", 128, 65, *h200, 0)][1:] == (256, 98 * 1024)  # 8 warps, the 64-row stages
+    assert table[("tv", 128, 65, *rtx, 0)][1:] == (256, 98 * 1024)  # 8 warps, the 64-row stages
     # fp8: byte stages (48 KB) and one converted K and V tile (32 KB) + the slot ids
-    assert table[("tv", 128, 65, *h200, 1)][1:] == (256, 82 * 1024)
+    assert table[("tv", 128, 65, *rtx, 1)][1:] == (256, 82 * 1024)
+    # sm_90, two m tiles per warp: + the Q tile (32 KB) and the rows' ancestor words (1 KB)
+    assert table[("tv", 128, 65, *h200, 0)][1:] == (256, 131 * 1024)
+    assert table[("tv", 128, 65, *h200, 1)][1:] == (256, 115 * 1024)
 
 
 def test_the_compiled_launch_rule_is_the_extensions(tmp_path):
@@ -235,6 +250,9 @@ def test_the_compiled_launch_rule_is_the_extensions(tmp_path):
             continue
         if key[0] == "mla_n":
             assert _ops.mla_launch_config(*key[2:-1], bool(key[-1])).block_n == block_m, key
+            continue
+        if key[0] == "tv_w":
+            assert _ops.tree_verify_launch_config(*key[1:]).warp_rows == block_m, key
             continue
         got = (_ops.tree_verify_launch_config(*key[1:]) if key[0] == "tv"
                else _ops.mla_launch_config(*key[2:-1], bool(key[-1])))
@@ -249,7 +267,9 @@ LAUNCH_RULE_MUTANTS = {
     "wide_on_sm90_too": ("tree_verify_config.h", "(head_dim == 128 && one_large_per_sm)", "(head_dim == 128)"),
     "wide_from_33_rows": ("tree_verify_config.h", "(head_dim == 128 && one_large_per_sm)",
                           "(head_dim == 128 && one_large_per_sm && max_rows > 32)"),
-    "unknown_smem_counts_as_small": ("tree_verify_config.h", "smem_per_sm > 0 && ", ""),
+    "unknown_smem_counts_as_small": ("tree_verify_config.h", "smem_per_sm > 0 && 2 * large", "2 * large"),
+    "paired_on_sm120": ("tree_verify_config.h", "paired <= smem_per_sm", "paired <= 2 * smem_per_sm"),
+    "paired_never": ("tree_verify_config.h", "paired <= smem_per_sm) m_tiles = 2", "paired <= smem_per_sm) m_tiles = 1"),
     "mla_k_split_on_sm120": ("mla_config.h", "wide <= smem_per_sm", "wide <= 2 * smem_per_sm"),
     "mla_k_split_for_32_rows": ("mla_config.h", "block_m == 64 && smem_per_sm", "block_m >= 32 && smem_per_sm"),
     "smem_cap_raises_it": ("launch_once.cuh", "limit > 0 && limit < per_sm ? limit", "limit > 0 ? limit"),

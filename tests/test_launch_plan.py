@@ -214,12 +214,16 @@ def test_random_costs_take_the_cheapest_split():
 def test_decode_b16_gqa_32_4(gpu):
     # B=16 decode, Hq/Hkv = 32/4: 64 CTAs per split with 2048 prefix keys each. 2x-SM sizing gave
     # 5 splits on H200 and 6 on the RTX PRO 6000, the wave rule fills the waves to 0.9; by bytes,
-    # one or two splits of 64 CTAs, their stages in flight, already stream at DRAM bandwidth
+    # one or two splits of 64 CTAs, their stages in flight, already stream at DRAM bandwidth (on
+    # the H200 one split's SM work is about as long: a few % over, which a second split's merge
+    # does not repay)
     shape = bp.Shape("gqa-32/4", 16, 32, 4, 128, 4096, 1)
     p, cost, prefix = _plan_pieces(shape, ap.DEVICES[gpu], "cuda")
     assert p.ctas == 64 and p.splits * ap.MIN_SPLIT_KEYS <= 4096
     _check_cheapest(p, cost, prefix, shape)
-    assert p.limit == "bandwidth" and p.splits <= 2, p
+    assert p.limit in ("bandwidth", "compute") and p.splits <= 2, p
+    terms = cost.terms(p.ctas, p.per_sm, p.splits, prefix)
+    assert terms["compute"] <= 1.1 * terms["DRAM"], terms
     assert ap.plan(p.ctas, p.slots, p.per_sm, prefix).efficiency >= 0.9  # the wave rule's plan
 
 

@@ -599,7 +599,8 @@ def test_gpu_every_configuration_runs_and_matches_the_reference():
         fp8 = bool(c.kv_fp8)
         found = next(((n, hq, hkv, lim) for lim in DEVICES.values() if lim.smem_per_sm <= own.smem_per_sm
                       for n, hq, hkv in _CONFIG_CANDIDATES
-                      if tv_cuda.cuda_tree_verify_block_m(c.head_dim, n * hq // hkv, lim, fp8) == c.block_m), None)
+                      for s in [tv_cuda.cuda_tree_verify_launch(c.head_dim, n * hq // hkv, lim, fp8)]
+                      if (s.block_m, s.warp_rows) == (c.block_m, c.warp_rows)), None)
         assert found is not None, f"no case reaches {c.template_args} on this GPU"
         n, hq, hkv, lim = found
         case = make_case([n], [300], hq=hq, hkv=hkv, d=c.head_dim, dtype=torch.bfloat16, seed=41, device="cuda")

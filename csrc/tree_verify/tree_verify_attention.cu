@@ -12,8 +12,9 @@
 // gather, so issuing the gather never waits for an index load.
 //
 // Few rows (decode: rows = group <= 16) would leave warps idle, so the warps are arranged as
-// warps_m x warps_n: warps_n warps share the same 16 rows and take different keys of every tile,
-// each with its own online softmax, merged through shared memory at the end.
+// warps_m x warps_n: warps_n warps share the same 16 rows (32 in sm_90's configuration of two m
+// tiles per warp, whose K and V fragments then serve both) and take different keys of every
+// tile, each with its own online softmax, merged through shared memory at the end.
 //
 // With num_splits > 1 every split writes a normalised partial output and its base-2 log-sum-exp;
 // merge_splits_kernel combines them in a fixed order (bitwise deterministic, no atomics).
@@ -35,16 +36,18 @@
 namespace spec_kernels {
 namespace {
 
-// The configurations (TileConfig<D, rows, fp8>) and the launch's choice among them:
+// The configurations (TileConfig<D, rows, fp8, m tiles per warp>) and the launch's choice among them:
 // spec_kernels/tree_verify_config.h.
 
 // How far (log2) a tile's row max may exceed the running max before O and l are rescaled to it.
 constexpr float kLazyRescaleLog2 = 8.f;
 
-template <typename T, int D, int kRows, bool kFp8>
-__global__ void __launch_bounds__(TileConfig<D, kRows, kFp8>::kThreads, TileConfig<D, kRows, kFp8>::kMinCtasPerSm)
+template <typename T, int D, int kRows, bool kFp8, int kMTiles>
+__global__ void __launch_bounds__(TileConfig<D, kRows, kFp8, kMTiles>::kThreads,
+                                  TileConfig<D, kRows, kFp8, kMTiles>::kMinCtasPerSm)
     tree_verify_kernel(const TreeVerifyParams p) {
-  using Cfg = TileConfig<D, kRows, kFp8>;
+  using Cfg = TileConfig<D, kRows, kFp8, kMTiles>;
+  constexpr int kMT = kMTiles;  // m16 tiles of a warp: its rows are wm * kWarpRows + 16 * mt + ...
   using KvT = std::conditional_t<kFp8, uint8_t, T>;
   constexpr int kWarps = Cfg::kWarps, kThreads = Cfg::kThreads;
   constexpr int kBlockM = Cfg::kBlockM;
@@ -70,6 +73,7 @@ __global__ void __launch_bounds__(TileConfig<D, kRows, kFp8>::kThreads, TileConf
     }
   };
   uint8_t* s_idx = reinterpret_cast<uint8_t*>(s_v + kStages * kStageKeys * D);  // [kIdxStages][kStageKeys] x 8 B
+  uint64_t* s_mask = reinterpret_cast<uint64_t*>(s_idx + Cfg::kIdxBytes);        // [kBlockM] (kMasksInSmem)
 
   // ---- which rows, which request, which KV range
   const int group = p.num_q_heads / p.num_kv_heads;
@@ -94,7 +98,8 @@ __global__ void __launch_bounds__(TileConfig<D, kRows, kFp8>::kThreads, TileConf
   if (rows_here <= 0) return;  // uniform over the CTA
 
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-  const int warps_m = max(rows_here <= 16 ? 1 : rows_here <= 32 ? 2 : !Cfg::kWide || rows_here <= 64 ? 4 : 8,
+  const int units = ceil_div(rows_here, Cfg::kWarpRows);  // warps of rows needed
+  const int warps_m = max(units <= 1 ? 1 : units <= 2 ? 2 : !Cfg::kWide || units <= 4 ? 4 : 8,
                           kWarps / Cfg::kMaxWarpsN);
   const int warps_n = kWarps / warps_m;
   const int wm = warp % warps_m, wn = warp / warps_m;
@@ -194,26 +199,42 @@ __global__ void __launch_bounds__(TileConfig<D, kRows, kFp8>::kThreads, TileConf
     }
   };
 
-  // ---- per-thread state for rows g and g + 8 of this warp's 16 rows
+  // ---- per-thread state for rows g and g + 8 of each of this warp's m tiles
   const int g = lane / 4, t4 = lane % 4;
-  uint64_t row_mask[2];
+  const int warp_row0 = wm * Cfg::kWarpRows;
+  // The ancestor word of row r of the CTA. The thread's rows' words are held in registers, or
+  // (Cfg::kMasksInSmem) in a table in shared memory that tail tiles read: 8 registers fewer
+  // across the loop.
+  auto row_mask = [&](int r) -> uint64_t {
+    if (p.tree_mask == nullptr) return ~0ull;  // decode: the single tail key is the query's own token
+    const int64_t token = q_start + (row0 + r) / group;
+    // Only the bits of the draft itself and earlier drafts count.
+    return r < rows_here && token >= 0 && token < p.num_tokens
+               ? static_cast<uint64_t>(p.tree_mask[token]) & draft_bits((row0 + r) / group)
+               : 0ull;
+  };
+  uint64_t reg_mask[kMT][2];
+  if constexpr (Cfg::kMasksInSmem) {
+    for (int r = threadIdx.x; r < kBlockM; r += kThreads) s_mask[r] = row_mask(r);  // published by the prologue's barrier
+  } else {
 #pragma unroll
-  for (int h = 0; h < 2; ++h) {
-    const int r = wm * 16 + g + h * 8;
-    row_mask[h] = ~0ull;  // decode: the single tail key is the query's own token
-    if (p.tree_mask != nullptr) {
-      const int64_t token = q_start + (row0 + r) / group;
-      // Only the bits of the draft itself and earlier drafts count.
-      row_mask[h] = r < rows_here && token >= 0 && token < p.num_tokens
-                        ? static_cast<uint64_t>(p.tree_mask[token]) & draft_bits((row0 + r) / group)
-                        : 0ull;
+    for (int mt = 0; mt < kMT; ++mt) {
+#pragma unroll
+      for (int h = 0; h < 2; ++h) reg_mask[mt][h] = row_mask(warp_row0 + mt * 16 + g + h * 8);
     }
   }
-  float m_i[2] = {-INFINITY, -INFINITY};
-  float l_i[2] = {0.f, 0.f};
-  float acc[Cfg::kDvTiles][4];
+  float m_i[kMT][2], l_i[kMT][2];
+  float acc[kMT][Cfg::kDvTiles][4];
 #pragma unroll
-  for (int j = 0; j < Cfg::kDvTiles; ++j) acc[j][0] = acc[j][1] = acc[j][2] = acc[j][3] = 0.f;
+  for (int mt = 0; mt < kMT; ++mt) {
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      m_i[mt][h] = -INFINITY;
+      l_i[mt][h] = 0.f;
+    }
+#pragma unroll
+    for (int j = 0; j < Cfg::kDvTiles; ++j) acc[mt][j][0] = acc[mt][j][1] = acc[mt][j][2] = acc[mt][j][3] = 0.f;
+  }
 
   // Slot ids of tiles 0 .. kStages-1 (with Q), visible to every thread before the first gathers;
   // from then on tile u's ids travel with tile u - kStages's K/V, so they have been waited for
@@ -231,13 +252,12 @@ __global__ void __launch_bounds__(TileConfig<D, kRows, kFp8>::kThreads, TileConf
     load_indices(u + kStages);
     cp_async_commit();
   }
-  auto load_q_fragment = [&](uint32_t(&a)[4], int kk) {
-    ldmatrix_x4(a, smem_addr(q_chunk(wm * 16 + (lane / 8 % 2) * 8 + lane % 8, kk * 2 + lane / 16)));
-  };
   uint32_t q_frag[D / 16][4];  // kQInRegs only
   if constexpr (Cfg::kQInRegs) {
 #pragma unroll
-    for (int kk = 0; kk < D / 16; ++kk) load_q_fragment(q_frag[kk], kk);
+    for (int kk = 0; kk < D / 16; ++kk) {
+      ldmatrix_x4(q_frag[kk], smem_addr(q_chunk(warp_row0 + (lane / 8 % 2) * 8 + lane % 8, kk * 2 + lane / 16)));
+    }
     __syncthreads();  // the Q tile is in stage kStages - 1: the loop's first prefetch fills it
   }
 
@@ -248,11 +268,15 @@ __global__ void __launch_bounds__(TileConfig<D, kRows, kFp8>::kThreads, TileConf
   constexpr int kRowBytes = kChunks * 16;
   const int key0 = wn * keys_per_warp;  // this warp's first key within a tile
   const int x7 = lane % 8;
-  uint32_t k_off[4], v_off[4];
+  uint32_t k_off[4], v_off[4], q_off[4];  // q_off: Q in its own tile (!kQInRegs), m tile 0
 #pragma unroll
   for (int i = 0; i < 4; ++i) {
     k_off[i] = pinned((key0 + lane / 16 * 8 + x7) * kRowBytes + (((2 * i + lane / 8 % 2) ^ x7) << 4));
     v_off[i] = pinned((key0 + lane / 8 % 2 * 8 + x7) * kRowBytes + (((2 * i + lane / 16) ^ x7) << 4));
+    if constexpr (!Cfg::kQInRegs) {
+      q_off[i] = pinned(smem_addr(smem) + (warp_row0 + lane / 8 % 2 * 8 + x7) * kRowBytes +
+                        (((2 * i + lane / 16) ^ x7) << 4));
+    }
   }
 
   for (int t = 0; t < total_tiles; ++t) {
@@ -277,32 +301,42 @@ __global__ void __launch_bounds__(TileConfig<D, kRows, kFp8>::kThreads, TileConf
     const int base = tile_base(t), end = tile_end(t);
     const bool is_tail = t >= prefix_tiles;
     // A warp whose keys of the tile are all past `end` (decode's tail tile holds one key: 3 of its
-    // 4 warps), or whose 16 rows are all past rows_here, skips it. Warp-uniform; per-n8-tile
+    // 4 warps), or whose rows are all past rows_here, skips it. Warp-uniform; per-n8-tile
     // predicates would cost more than they save.
-    const bool live = end - base > key0 && wm * 16 < rows_here;
+    const bool live = end - base > key0 && warp_row0 < rows_here;
 
     if (live) {
       const uint32_t k_base = smem_addr(k_s), v_base = smem_addr(v_s);
-      // S = Q K^T for 16 rows x keys_per_warp keys, k16 steps over D
-      float s[Cfg::kMaxNTiles][4];
+      // S = Q K^T for the warp's rows x keys_per_warp keys, k16 steps over D; each K fragment
+      // serves every m tile
+      float s[kMT][Cfg::kMaxNTiles][4];
 #pragma unroll
-      for (int j = 0; j < Cfg::kMaxNTiles; ++j) s[j][0] = s[j][1] = s[j][2] = s[j][3] = 0.f;
+      for (int mt = 0; mt < kMT; ++mt) {
+#pragma unroll
+        for (int j = 0; j < Cfg::kMaxNTiles; ++j) s[mt][j][0] = s[mt][j][1] = s[mt][j][2] = s[mt][j][3] = 0.f;
+      }
 #pragma unroll
       for (int kk = 0; kk < D / 16; ++kk) {
-        uint32_t a[4];
-        if constexpr (Cfg::kQInRegs) {
+        uint32_t a[kMT][4];
 #pragma unroll
-          for (int i = 0; i < 4; ++i) a[i] = q_frag[kk][i];
-        } else {
-          load_q_fragment(a, kk);
+        for (int mt = 0; mt < kMT; ++mt) {
+          if constexpr (Cfg::kQInRegs) {
+#pragma unroll
+            for (int i = 0; i < 4; ++i) a[mt][i] = q_frag[kk][i];
+          } else {
+            ldmatrix_x4(a[mt], q_off[kk % 4] + mt * 16 * kRowBytes + kk / 4 * 128);
+          }
         }
 #pragma unroll
         for (int j = 0; j < Cfg::kMaxNTiles; j += 2) {
           if (j < ntiles) {
             uint32_t b[4];
             ldmatrix_x4(b, k_base + k_off[kk % 4] + j * 8 * kRowBytes + kk / 4 * 128);
-            mma_16816<T>(s[j], a, b[0], b[1]);
-            mma_16816<T>(s[j + 1], a, b[2], b[3]);
+#pragma unroll
+            for (int mt = 0; mt < kMT; ++mt) {
+              mma_16816<T>(s[mt][j], a[mt], b[0], b[1]);
+              mma_16816<T>(s[mt][j + 1], a[mt], b[2], b[3]);
+            }
           }
         }
       }
@@ -315,91 +349,123 @@ __global__ void __launch_bounds__(TileConfig<D, kRows, kFp8>::kThreads, TileConf
       // range) and, in the tail, non-ancestors set to -inf.
       const bool full = !is_tail && base + kStageKeys <= end;
       const float mult = full ? qk_scale_log2 : 1.f;  // exponent: s * mult - max
-      float tile_max[2], poison[2] = {0.f, 0.f};
-      if (full) {
+      float tile_max[kMT][2], poison[kMT][2];
+#pragma unroll
+      for (int mt = 0; mt < kMT; ++mt) {
+        if (full) {
+#pragma unroll
+          for (int h = 0; h < 2; ++h) {
+            float hi = -INFINITY, lo = INFINITY;
+#pragma unroll
+            for (int j = 0; j < Cfg::kMaxNTiles; ++j) {
+              if (j < ntiles) {
+                hi = fmaxf(hi, fmaxf(s[mt][j][2 * h], s[mt][j][2 * h + 1]));
+                lo = fminf(lo, fminf(s[mt][j][2 * h], s[mt][j][2 * h + 1]));
+              }
+            }
+            const float a = hi * qk_scale_log2, b = lo * qk_scale_log2;  // either sign of the scale
+            tile_max[mt][h] = fmaxf(a, b);
+            poison[mt][h] = fabsf(a) < INFINITY && fabsf(b) < INFINITY ? 0.f : NAN;
+          }
+        } else {
+          tile_max[mt][0] = tile_max[mt][1] = -INFINITY;
+          poison[mt][0] = poison[mt][1] = 0.f;
+          uint64_t words[2] = {~0ull, ~0ull};
+          if (is_tail) {
+#pragma unroll
+            for (int h = 0; h < 2; ++h) {
+              if constexpr (Cfg::kMasksInSmem) {
+                words[h] = s_mask[warp_row0 + mt * 16 + g + h * 8];
+              } else {
+                words[h] = reg_mask[mt][h];
+              }
+            }
+          }
+#pragma unroll
+          for (int j = 0; j < Cfg::kMaxNTiles; ++j) {
+            if (j >= ntiles) continue;
+#pragma unroll
+            for (int e = 0; e < 4; ++e) {
+              float x = finite_or_nan(s[mt][j][e] * qk_scale_log2);
+              const int pos = base + key0 + j * 8 + t4 * 2 + (e & 1);
+              bool visible = pos < end;
+              // min(.., 63): n_b > 64 (invalid, unchecked on the GPU) must not shift by >= 64 (UB); as Triton.
+              if (is_tail && visible) visible = (words[e >> 1] >> min(pos - prefix_len, 63)) & 1ull;
+              x = visible ? x : -INFINITY;
+              s[mt][j][e] = x;
+              tile_max[mt][e >> 1] = fmaxf(tile_max[mt][e >> 1], x);
+            }
+          }
+        }
+      }
+
+      // Online softmax (base 2) for the thread's rows; a quad of lanes shares a row. The running
+      // max moves only when a tile's exceeds it by more than kLazyRescaleLog2: weights stay below
+      // 2^kLazyRescaleLog2 (exact enough in fp32 sums and 16-bit P), l and O stay consistent with
+      // the max they were weighted by, and the O rescale is skipped by a warp whose rows all kept
+      // theirs (most tiles after the first). m_safe is finite: a row with no visible key so far
+      // subtracts -FLT_MAX, so that 2^(-inf - m_safe) = 0 without a select.
+      bool grow_any = false;
+      float alpha[kMT][2];
+#pragma unroll
+      for (int mt = 0; mt < kMT; ++mt) {
 #pragma unroll
         for (int h = 0; h < 2; ++h) {
-          float hi = -INFINITY, lo = INFINITY;
+          float mx = tile_max[mt][h];
+          mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
+          mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
+          const bool grow = mx > m_i[mt][h] + kLazyRescaleLog2;
+          grow_any = grow_any || grow;
+          alpha[mt][h] = grow ? ex2(m_i[mt][h] - mx) : 1.f;
+          m_i[mt][h] = grow ? mx : m_i[mt][h];
+          const float m_safe = fmaxf(m_i[mt][h], -FLT_MAX);
+          float row_sum = poison[mt][h];
 #pragma unroll
           for (int j = 0; j < Cfg::kMaxNTiles; ++j) {
             if (j < ntiles) {
-              hi = fmaxf(hi, fmaxf(s[j][2 * h], s[j][2 * h + 1]));
-              lo = fminf(lo, fminf(s[j][2 * h], s[j][2 * h + 1]));
+              s[mt][j][2 * h] = ex2(fmaf(s[mt][j][2 * h], mult, -m_safe));
+              s[mt][j][2 * h + 1] = ex2(fmaf(s[mt][j][2 * h + 1], mult, -m_safe));
+              row_sum += s[mt][j][2 * h] + s[mt][j][2 * h + 1];
             }
           }
-          const float a = hi * qk_scale_log2, b = lo * qk_scale_log2;  // either sign of the scale
-          tile_max[h] = fmaxf(a, b);
-          poison[h] = fabsf(a) < INFINITY && fabsf(b) < INFINITY ? 0.f : NAN;
+          l_i[mt][h] = l_i[mt][h] * alpha[mt][h] + row_sum;
         }
-      } else {
-        tile_max[0] = tile_max[1] = -INFINITY;
+      }
+      if (__any_sync(0xffffffffu, grow_any)) {
 #pragma unroll
-        for (int j = 0; j < Cfg::kMaxNTiles; ++j) {
-          if (j >= ntiles) continue;
+        for (int mt = 0; mt < kMT; ++mt) {
 #pragma unroll
-          for (int e = 0; e < 4; ++e) {
-            float x = finite_or_nan(s[j][e] * qk_scale_log2);
-            const int pos = base + key0 + j * 8 + t4 * 2 + (e & 1);
-            bool visible = pos < end;
-            // min(.., 63): n_b > 64 (invalid, unchecked on the GPU) must not shift by >= 64 (UB); as Triton.
-            if (is_tail && visible) visible = (row_mask[e >> 1] >> min(pos - prefix_len, 63)) & 1ull;
-            x = visible ? x : -INFINITY;
-            s[j][e] = x;
-            tile_max[e >> 1] = fmaxf(tile_max[e >> 1], x);
+          for (int d = 0; d < Cfg::kDvTiles; ++d) {
+            acc[mt][d][0] *= alpha[mt][0];
+            acc[mt][d][1] *= alpha[mt][0];
+            acc[mt][d][2] *= alpha[mt][1];
+            acc[mt][d][3] *= alpha[mt][1];
           }
         }
       }
 
-      // Online softmax (base 2) for the thread's two rows; a quad of lanes shares a row. The
-      // running max moves only when a tile's exceeds it by more than kLazyRescaleLog2: weights
-      // stay below 2^kLazyRescaleLog2 (exact enough in fp32 sums and 16-bit P), l and O stay
-      // consistent with the max they were weighted by, and the O rescale is skipped by a warp whose
-      // rows all kept theirs (most tiles after the first). m_safe is finite: a row with no
-      // visible key so far subtracts -FLT_MAX, so that 2^(-inf - m_safe) = 0 without a select.
-      bool grow[2];
-      float alpha[2];
-#pragma unroll
-      for (int h = 0; h < 2; ++h) {
-        float mx = tile_max[h];
-        mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
-        mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
-        grow[h] = mx > m_i[h] + kLazyRescaleLog2;
-        alpha[h] = grow[h] ? ex2(m_i[h] - mx) : 1.f;
-        m_i[h] = grow[h] ? mx : m_i[h];
-        const float m_safe = fmaxf(m_i[h], -FLT_MAX);
-        float row_sum = poison[h];
-#pragma unroll
-        for (int j = 0; j < Cfg::kMaxNTiles; ++j) {
-          if (j < ntiles) {
-            s[j][2 * h] = ex2(fmaf(s[j][2 * h], mult, -m_safe));
-            s[j][2 * h + 1] = ex2(fmaf(s[j][2 * h + 1], mult, -m_safe));
-            row_sum += s[j][2 * h] + s[j][2 * h + 1];
-          }
-        }
-        l_i[h] = l_i[h] * alpha[h] + row_sum;
-      }
-      if (__any_sync(0xffffffffu, grow[0] || grow[1])) {
-#pragma unroll
-        for (int d = 0; d < Cfg::kDvTiles; ++d) {
-          acc[d][0] *= alpha[0];
-          acc[d][1] *= alpha[0];
-          acc[d][2] *= alpha[1];
-          acc[d][3] *= alpha[1];
-        }
-      }
-
-      // O += P V: the S accumulators of two key tiles are the A fragment of one k16 step
+      // O += P V: the S accumulators of two key tiles are the A fragment of one k16 step; each V
+      // fragment serves every m tile
 #pragma unroll
       for (int j = 0; j < Cfg::kMaxNTiles; j += 2) {
         if (j < ntiles) {
-          uint32_t a[4] = {pack2<T>(s[j][0], s[j][1]), pack2<T>(s[j][2], s[j][3]),
-                           pack2<T>(s[j + 1][0], s[j + 1][1]), pack2<T>(s[j + 1][2], s[j + 1][3])};
+          uint32_t a[kMT][4];
+#pragma unroll
+          for (int mt = 0; mt < kMT; ++mt) {
+            a[mt][0] = pack2<T>(s[mt][j][0], s[mt][j][1]);
+            a[mt][1] = pack2<T>(s[mt][j][2], s[mt][j][3]);
+            a[mt][2] = pack2<T>(s[mt][j + 1][0], s[mt][j + 1][1]);
+            a[mt][3] = pack2<T>(s[mt][j + 1][2], s[mt][j + 1][3]);
+          }
 #pragma unroll
           for (int d = 0; d < Cfg::kDvTiles; d += 2) {
             uint32_t b[4];
             ldmatrix_x4_trans(b, v_base + v_off[d % 8 / 2] + j * 8 * kRowBytes + d / 8 * 128);
-            mma_16816<T>(acc[d], a, b[0], b[1]);
-            mma_16816<T>(acc[d + 1], a, b[2], b[3]);
+#pragma unroll
+            for (int mt = 0; mt < kMT; ++mt) {
+              mma_16816<T>(acc[mt][d], a[mt], b[0], b[1]);
+              mma_16816<T>(acc[mt][d + 1], a[mt], b[2], b[3]);
+            }
           }
         }
       }
@@ -409,47 +475,60 @@ __global__ void __launch_bounds__(TileConfig<D, kRows, kFp8>::kThreads, TileConf
   cp_async_wait<0>();
 
 #pragma unroll
-  for (int h = 0; h < 2; ++h) {
-    l_i[h] += __shfl_xor_sync(0xffffffffu, l_i[h], 1);
-    l_i[h] += __shfl_xor_sync(0xffffffffu, l_i[h], 2);
+  for (int mt = 0; mt < kMT; ++mt) {
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      l_i[mt][h] += __shfl_xor_sync(0xffffffffu, l_i[mt][h], 1);
+      l_i[mt][h] += __shfl_xor_sync(0xffffffffu, l_i[mt][h], 2);
+    }
   }
 
-  // ---- merge the warps that shared rows (warps_n > 1) into the wn == 0 warp
+  // ---- merge the warps that shared rows (warps_n > 1) into the wn == 0 warp: each other warp
+  // hands over its accumulators and m, l (cell warp - warps_m)
   if (warps_n > 1) {
     __syncthreads();  // Q/K/V tiles are dead; reuse the memory
     float* s_merge = reinterpret_cast<float*>(smem);
-    constexpr int kAcc = Cfg::kDvTiles * 4;
-    float* mine = s_merge + warp * Cfg::kMergeFloats * 32;  // [value][lane]: conflict-free
+    constexpr int kAcc = Cfg::kDvTiles * 4, kPerTile = kAcc + 4;
+    if (wn != 0) {
+      float* mine = s_merge + (warp - warps_m) * Cfg::kMergeFloats * 32;  // [value][lane]: conflict-free
 #pragma unroll
-    for (int d = 0; d < Cfg::kDvTiles; ++d) {
+      for (int mt = 0; mt < kMT; ++mt) {
 #pragma unroll
-      for (int e = 0; e < 4; ++e) mine[(d * 4 + e) * 32 + lane] = acc[d][e];
-    }
+        for (int d = 0; d < Cfg::kDvTiles; ++d) {
 #pragma unroll
-    for (int h = 0; h < 2; ++h) {
-      mine[(kAcc + h) * 32 + lane] = m_i[h];
-      mine[(kAcc + 2 + h) * 32 + lane] = l_i[h];
+          for (int e = 0; e < 4; ++e) mine[(mt * kPerTile + d * 4 + e) * 32 + lane] = acc[mt][d][e];
+        }
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+          mine[(mt * kPerTile + kAcc + h) * 32 + lane] = m_i[mt][h];
+          mine[(mt * kPerTile + kAcc + 2 + h) * 32 + lane] = l_i[mt][h];
+        }
+      }
     }
     __syncthreads();
     if (wn != 0) return;
     for (int other = 1; other < warps_n; ++other) {
-      const float* theirs = s_merge + (other * warps_m + wm) * Cfg::kMergeFloats * 32;
-      float scale_mine[2], scale_theirs[2];
+      const float* theirs = s_merge + ((other - 1) * warps_m + wm) * Cfg::kMergeFloats * 32;
 #pragma unroll
-      for (int h = 0; h < 2; ++h) {
-        const float m_o = theirs[(kAcc + h) * 32 + lane];
-        const float mx = fmaxf(m_i[h], m_o);
-        const float m_safe = mx == -INFINITY ? 0.f : mx;
-        scale_mine[h] = exp2f(m_i[h] - m_safe);
-        scale_theirs[h] = exp2f(m_o - m_safe);
-        l_i[h] = l_i[h] * scale_mine[h] + theirs[(kAcc + 2 + h) * 32 + lane] * scale_theirs[h];
-        m_i[h] = mx;
-      }
+      for (int mt = 0; mt < kMT; ++mt) {
+        const float* t_mt = theirs + mt * kPerTile * 32;
+        float scale_mine[2], scale_theirs[2];
 #pragma unroll
-      for (int d = 0; d < Cfg::kDvTiles; ++d) {
+        for (int h = 0; h < 2; ++h) {
+          const float m_o = t_mt[(kAcc + h) * 32 + lane];
+          const float mx = fmaxf(m_i[mt][h], m_o);
+          const float m_safe = mx == -INFINITY ? 0.f : mx;
+          scale_mine[h] = exp2f(m_i[mt][h] - m_safe);
+          scale_theirs[h] = exp2f(m_o - m_safe);
+          l_i[mt][h] = l_i[mt][h] * scale_mine[h] + t_mt[(kAcc + 2 + h) * 32 + lane] * scale_theirs[h];
+          m_i[mt][h] = mx;
+        }
 #pragma unroll
-        for (int e = 0; e < 4; ++e) {
-          acc[d][e] = acc[d][e] * scale_mine[e >> 1] + theirs[(d * 4 + e) * 32 + lane] * scale_theirs[e >> 1];
+        for (int d = 0; d < Cfg::kDvTiles; ++d) {
+#pragma unroll
+          for (int e = 0; e < 4; ++e) {
+            acc[mt][d][e] = acc[mt][d][e] * scale_mine[e >> 1] + t_mt[(d * 4 + e) * 32 + lane] * scale_theirs[e >> 1];
+          }
         }
       }
     }
@@ -458,34 +537,38 @@ __global__ void __launch_bounds__(TileConfig<D, kRows, kFp8>::kThreads, TileConf
   // ---- epilogue: rows that saw no key get zeros and lse = -inf (selected, not 0 * acc: acc may hold
   // NaN from a V row of a draft slot the row does not see, weight 0 times NaN)
 #pragma unroll
-  for (int h = 0; h < 2; ++h) {
-    const int r = wm * 16 + g + h * 8;
-    if (r >= rows_here) continue;
-    const int row = row0 + r;
-    const int64_t token = q_start + row / group;
-    if (token < 0 || token >= p.num_tokens) continue;  // never write outside out / lse / partials
-    const int head = kv_head * group + row % group;
-    // l is 0 iff the row saw no key; NaN (a NaN logit) counts as seen: NaN output and lse.
-    const bool seen = l_i[h] != 0.f;
-    const float inv_l = seen ? v_scale / l_i[h] : 0.f;  // v_scale: 1 but for fp8 caches
-    const float lse2 = seen ? m_i[h] + log2f(l_i[h]) : -INFINITY;
-    if (p.num_splits > 1) {
-      const int64_t idx = (static_cast<int64_t>(split) * p.num_tokens + token) * p.num_q_heads + head;
-      float* dst = p.o_partial + idx * D;
+  for (int mt = 0; mt < kMT; ++mt) {
 #pragma unroll
-      for (int d = 0; d < Cfg::kDvTiles; ++d) {
-        *reinterpret_cast<float2*>(dst + d * 8 + t4 * 2) =
-            make_float2(seen ? acc[d][2 * h] * inv_l : 0.f, seen ? acc[d][2 * h + 1] * inv_l : 0.f);
-      }
-      if (t4 == 0) p.lse_partial[idx] = lse2;
-    } else {
-      T* dst = static_cast<T*>(p.out) + token * p.o_stride_t + head * p.o_stride_h;
+    for (int h = 0; h < 2; ++h) {
+      const int r = warp_row0 + mt * 16 + g + h * 8;
+      if (r >= rows_here) continue;
+      const int row = row0 + r;
+      const int64_t token = q_start + row / group;
+      if (token < 0 || token >= p.num_tokens) continue;  // never write outside out / lse / partials
+      const int head = kv_head * group + row % group;
+      // l is 0 iff the row saw no key; NaN (a NaN logit) counts as seen: NaN output and lse.
+      const float l = l_i[mt][h];
+      const bool seen = l != 0.f;
+      const float inv_l = seen ? v_scale / l : 0.f;  // v_scale: 1 but for fp8 caches
+      const float lse2 = seen ? m_i[mt][h] + log2f(l) : -INFINITY;
+      if (p.num_splits > 1) {
+        const int64_t idx = (static_cast<int64_t>(split) * p.num_tokens + token) * p.num_q_heads + head;
+        float* dst = p.o_partial + idx * D;
 #pragma unroll
-      for (int d = 0; d < Cfg::kDvTiles; ++d) {
-        *reinterpret_cast<uint32_t*>(dst + d * 8 + t4 * 2) =
-            pack2<T>(seen ? acc[d][2 * h] * inv_l : 0.f, seen ? acc[d][2 * h + 1] * inv_l : 0.f);
+        for (int d = 0; d < Cfg::kDvTiles; ++d) {
+          *reinterpret_cast<float2*>(dst + d * 8 + t4 * 2) =
+              make_float2(seen ? acc[mt][d][2 * h] * inv_l : 0.f, seen ? acc[mt][d][2 * h + 1] * inv_l : 0.f);
+        }
+        if (t4 == 0) p.lse_partial[idx] = lse2;
+      } else {
+        T* dst = static_cast<T*>(p.out) + token * p.o_stride_t + head * p.o_stride_h;
+#pragma unroll
+        for (int d = 0; d < Cfg::kDvTiles; ++d) {
+          *reinterpret_cast<uint32_t*>(dst + d * 8 + t4 * 2) =
+              pack2<T>(seen ? acc[mt][d][2 * h] * inv_l : 0.f, seen ? acc[mt][d][2 * h + 1] * inv_l : 0.f);
+        }
+        if (p.lse != nullptr && t4 == 0) p.lse[token * p.num_q_heads + head] = lse2 * 0.69314718055994531f;
       }
-      if (p.lse != nullptr && t4 == 0) p.lse[token * p.num_q_heads + head] = lse2 * 0.69314718055994531f;
     }
   }
 }
@@ -500,16 +583,16 @@ __global__ void merge_splits_kernel(const TreeVerifyParams p) {
                   p.head_dim, static_cast<T*>(p.out) + token * p.o_stride_t + head * p.o_stride_h, p.lse);
 }
 
-template <typename T, int D, int kRows, bool kFp8>
+template <typename T, int D, int kRows, bool kFp8, int kMTiles>
 cudaError_t launch_config(const TreeVerifyParams& p, int device, cudaStream_t stream) {
-  using Cfg = TileConfig<D, kRows, kFp8>;
+  using Cfg = TileConfig<D, kRows, kFp8, kMTiles>;
   static_assert(D % kMergeVec == 0, "the merge combines kMergeVec columns per load");
   const cudaError_t attr_err =
-      opt_in_dynamic_smem_once<tree_verify_kernel<T, D, kRows, kFp8>, Cfg::kSmemBytes>(device);
+      opt_in_dynamic_smem_once<tree_verify_kernel<T, D, kRows, kFp8, kMTiles>, Cfg::kSmemBytes>(device);
   if (attr_err != cudaSuccess) return attr_err;
   const int m_blocks = (p.max_rows + Cfg::kBlockM - 1) / Cfg::kBlockM;
   const dim3 grid(static_cast<unsigned>(p.num_requests) * p.num_kv_heads * m_blocks, p.num_splits);
-  tree_verify_kernel<T, D, kRows, kFp8><<<grid, Cfg::kThreads, Cfg::kSmemBytes, stream>>>(p);
+  tree_verify_kernel<T, D, kRows, kFp8, kMTiles><<<grid, Cfg::kThreads, Cfg::kSmemBytes, stream>>>(p);
   cudaError_t err = cudaGetLastError();
   if (err != cudaSuccess || p.num_splits == 1) return err;
   merge_splits_kernel<T><<<p.num_tokens * p.num_q_heads, kTreeVerifyMergeThreads, 0, stream>>>(p);
@@ -524,9 +607,10 @@ cudaError_t launch(const TreeVerifyParams& p, cudaStream_t stream) {
   if (err != cudaSuccess) return err;
   const bool fp8 = p.kv_format != kKvLikeQ;
   const LaunchShape shape = tree_verify_launch_shape(p.head_dim, p.max_rows, per_sm, reserved, fp8);
-#define SPEC_KERNELS_TV_LAUNCH(D, ROWS, REGS, FP8_REGS)                                            \
-  if (shape.head_dim == D && shape.block_m == ROWS) {                                              \
-    return fp8 ? launch_config<T, D, ROWS, true>(p, device, stream) : launch_config<T, D, ROWS, false>(p, device, stream); \
+#define SPEC_KERNELS_TV_LAUNCH(D, ROWS, MT, REGS, FP8_REGS)                                        \
+  if (shape.head_dim == D && shape.block_m == ROWS && shape.warp_rows == 16 * MT) {                 \
+    return fp8 ? launch_config<T, D, ROWS, true, MT>(p, device, stream)                              \
+               : launch_config<T, D, ROWS, false, MT>(p, device, stream);                            \
   }
   SPEC_KERNELS_TREE_VERIFY_CONFIGS(SPEC_KERNELS_TV_LAUNCH)
 #undef SPEC_KERNELS_TV_LAUNCH

@@ -141,9 +141,10 @@ std::vector<int64_t> tree_verify_launch_config(int64_t head_dim, int64_t max_row
 
 std::string tree_verify_configs() {
   std::string s;
-#define SPEC_KERNELS_TV_LINE(D, ROWS, REGS, FP8_REGS)                                                  \
-  s += shape_line("tree_verify_kernel", #D "," #ROWS ",false", tree_verify_instance_shape<D, ROWS, false, REGS>()); \
-  s += shape_line("tree_verify_kernel", #D "," #ROWS ",true", tree_verify_instance_shape<D, ROWS, true, FP8_REGS>());
+#define SPEC_KERNELS_TV_LINE(D, ROWS, MT, REGS, FP8_REGS)                                         \
+  s += shape_line("tree_verify_kernel", #D "," #ROWS ",false," #MT,                                  \
+                  tree_verify_instance_shape<D, ROWS, false, MT, REGS>());                          \
+  s += shape_line("tree_verify_kernel", #D "," #ROWS ",true," #MT, tree_verify_instance_shape<D, ROWS, true, MT, FP8_REGS>());
   SPEC_KERNELS_TREE_VERIFY_CONFIGS(SPEC_KERNELS_TV_LINE)
 #undef SPEC_KERNELS_TV_LINE
   return s;

@@ -67,9 +67,9 @@ MMA_ROWS = 16  # the rows of one mma tile (m16n8k16): a CTA's tensor work is per
 # least 64: Q, the softmax state, the epilogue). Fitted to the PTX interpreter's counts of the
 # CUDA tree-verify configurations on sm_90 and sm_120 (tests/ptx/test_sol_report.py holds them to
 # it); the Triton and MLA kernels are assumed alike per K/V column.
-ISSUE_PER_KEY = 14.0
+ISSUE_PER_KEY = 13.0
 ISSUE_PER_KEY_ROW = 0.15
-ISSUE_PER_CTA_ROW = 40.0
+ISSUE_PER_CTA_ROW = 35.0
 
 
 def issue_per_cta(rows: int, keys: float, columns: int = 256) -> float:

@@ -77,7 +77,8 @@ def launch_resources(shape: Shape, limits: DeviceLimits, impl: str, block_m: int
     if impl == "cuda":
         if shape.mla:
             return mla_cuda.cuda_mla_resources(block_m, limits=limits), mla_cuda.split_traffic()
-        return tv_cuda.cuda_tree_verify_resources(shape.head_dim, block_m), tv_cuda.split_traffic(shape.head_dim)
+        return (tv_cuda.cuda_tree_verify_resources(shape.head_dim, block_m, limits=limits),
+                tv_cuda.split_traffic(shape.head_dim))
     if shape.mla:
         return (mla_triton.triton_mla_resources(block_m, shape.head_dim, 2),
                 mla_triton.split_traffic(shape.head_dim, mla_cuda.V_HEAD_DIM, 2))

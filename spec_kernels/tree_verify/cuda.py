@@ -7,7 +7,7 @@ from typing import Callable, Optional
 
 import torch
 
-from .._ops import cuda_ops, kernel_config, kernel_configs, tree_verify_launch_config
+from .._ops import LaunchShape, cuda_ops, kernel_config, kernel_configs, tree_verify_launch_config
 from ..attention.checks import KV_FP8_DTYPES, NO_SCALES, KvScales, cuda_cache_dtype_refusal, cuda_row_chunk_refusal
 from ..attention.plan import (DeviceLimits, KernelResources, SplitTraffic, SplitWorkspace, expected_rows, max_rows,
                                mean_prefix)
@@ -16,32 +16,46 @@ from ..attention.plan import num_kv_splits as plan_splits
 KERNEL = "tree_verify_kernel"
 
 
-def cuda_tree_verify_resources(head_dim: int, block_m: int = 64, kv_fp8: bool = False) -> KernelResources:
-    """Threads, registers and dynamic shared memory of the compiled configuration (head_dim,
-    block_m rows per CTA; kv_fp8: its fp8-cache instance), as the extension reports them
-    (TileConfig<D, rows, fp8> and the list of configurations in
-    csrc/include/spec_kernels/tree_verify_config.h). ValueError when there is no such
-    configuration, RuntimeError without the extension."""
-    c = kernel_config(KERNEL, head_dim, block_m, kv_fp8)
-    return KernelResources(c.threads, c.regs, c.smem_bytes)
+def cuda_tree_verify_launch(head_dim: int, rows: int, limits: Optional[DeviceLimits] = None,
+                            kv_fp8: bool = False) -> LaunchShape:
+    """The configuration a CUDA launch of `rows` (max_rows) takes on a device with `limits` (the
+    launch's own choice, tree_verify_launch_shape in the C++, read from the extension): at D = 128,
+    128 rows per CTA for more than 64 rows (two m tiles per warp where that configuration's shared
+    memory fits, sm_90); where two 64-row CTAs do not fit on an SM (sm_120) 32 rows for at most 16
+    and 128 (8 warps) for 17-64; else 64. Without `limits` the one every device can run, 64 rows
+    for at most 64 (for counting CTAs they agree: <= 64 rows are one CTA either way). block_m 0
+    for a head dim without a configuration (supports() sends such calls to Triton)."""
+    per_sm, reserved = (limits.smem_per_sm, limits.smem_reserved_per_cta) if limits is not None else (0, 0)
+    return tree_verify_launch_config(head_dim, max(rows, 1), per_sm, reserved, kv_fp8)
 
 
 def cuda_tree_verify_block_m(head_dim: int, rows: int, limits: Optional[DeviceLimits] = None,
                              kv_fp8: bool = False) -> int:
-    """Rows per CTA of the configuration a CUDA launch of `rows` (max_rows) takes on a device with
-    `limits` (the launch's own choice, read from the extension): at D = 128, 128 for more than 64
-    rows; where two 64-row CTAs do not fit on an SM (sm_120) 32 for at most 16 rows and 128 (8
-    warps) for 17-64; else 64. Without `limits` 64 for at most 64 rows (for counting CTAs they
-    agree: <= 64 rows are one CTA either way). 0 for a head dim without a configuration (supports() sends such
-    calls to Triton)."""
-    per_sm, reserved = (limits.smem_per_sm, limits.smem_reserved_per_cta) if limits is not None else (0, 0)
-    return tree_verify_launch_config(head_dim, max(rows, 1), per_sm, reserved, kv_fp8).block_m
+    """Rows per CTA of cuda_tree_verify_launch(head_dim, rows, limits, kv_fp8)."""
+    return cuda_tree_verify_launch(head_dim, rows, limits, kv_fp8).block_m
+
+
+def cuda_tree_verify_resources(head_dim: int, block_m: int = 64, kv_fp8: bool = False,
+                               limits: Optional[DeviceLimits] = None) -> KernelResources:
+    """Threads, registers and dynamic shared memory of the configuration with block_m rows per CTA
+    (kv_fp8: its fp8-cache instance) that a launch takes on a device with `limits` (None: the one
+    every device can run), as the extension reports them (TileConfig and the list of
+    configurations in csrc/include/spec_kernels/tree_verify_config.h). ValueError when there is
+    no such configuration, RuntimeError without the extension."""
+    c = cuda_tree_verify_launch(head_dim, block_m, limits, kv_fp8)
+    if c.block_m != block_m:
+        c = kernel_config(KERNEL, head_dim, block_m, kv_fp8)  # raises: no configuration of block_m rows
+    return KernelResources(c.threads, c.regs, c.smem_bytes)
 
 
 def cuda_tree_verify_kernel(head_dim: int, rows: int, kv_fp8: bool = False) -> Callable[[DeviceLimits], KernelResources]:
     """The resources of the configuration a launch of `rows` (max_rows) takes on a device."""
-    return lambda limits: cuda_tree_verify_resources(head_dim, cuda_tree_verify_block_m(head_dim, rows, limits, kv_fp8),
-                                                     kv_fp8)
+    def resources(limits: DeviceLimits) -> KernelResources:
+        c = cuda_tree_verify_launch(head_dim, rows, limits, kv_fp8)
+        if c.block_m == 0:
+            kernel_config(KERNEL, head_dim, 64, kv_fp8)  # raises, naming the compiled configurations
+        return KernelResources(c.threads, c.regs, c.smem_bytes)
+    return resources
 
 
 def split_traffic(head_dim: int, kv_fp8: bool = False) -> SplitTraffic:

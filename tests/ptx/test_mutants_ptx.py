@@ -2,9 +2,10 @@
 
 Each mutant is a one-expression edit of a .cu file (the text must occur exactly once, so a
 refactor that moves it fails here loudly instead of testing nothing). The edited source is
-compiled to sm_120a PTX and run on one small case by the interpreter; the mutant is caught by a
-mismatch with the reference, a shared-memory race / cp.async hazard, an out-of-bounds access or a
-trap. Other kernels' mutants live next to their own PTX tests.
+compiled to sm_120a PTX (sm_90a for sm_90's configurations) and run on one small case by the
+interpreter; the mutant is caught by a mismatch with the reference, a shared-memory race /
+cp.async hazard, an out-of-bounds access or a trap. Other kernels' mutants live next to their own
+PTX tests.
 """
 import os
 import sys
@@ -33,8 +34,8 @@ MUTANTS = {
     "k_chunk_from_lane16": (TV, "K ldmatrix: k chunk from lane / 16 instead of lane / 8 % 2",
                             "(((2 * i + lane / 8 % 2) ^ x7) << 4));", "(((2 * i + lane / 16) ^ x7) << 4));"),
     "p_fragment_order": (TV, "P as A fragment: registers a1 and a2 swapped",
-                         "pack2<T>(s[j][2], s[j][3]),\n                           pack2<T>(s[j + 1][0], s[j + 1][1])",
-                         "pack2<T>(s[j + 1][0], s[j + 1][1]),\n                           pack2<T>(s[j][2], s[j][3])"),
+                         "a[mt][1] = pack2<T>(s[mt][j][2], s[mt][j][3]);\n            a[mt][2] = pack2<T>(s[mt][j + 1][0], s[mt][j + 1][1]);",
+                         "a[mt][1] = pack2<T>(s[mt][j + 1][0], s[mt][j + 1][1]);\n            a[mt][2] = pack2<T>(s[mt][j][2], s[mt][j][3]);"),
     "prefetch_into_current_stage": (TV, "the prefetch of tile t + stages - 1 goes to stage t",
                                     "load_tile(t + kStages - 1, (t + kStages - 1) % kStages);",
                                     "load_tile(t + kStages - 1, t % kStages);"),
@@ -56,35 +57,67 @@ MUTANTS = {
                             "const bool live = end - base > key0 &&",
                             "const bool live = end - base >= key0 + keys_per_warp &&"),
     "live_rows_off_by_16": (TV, "a warp skips its tiles when its first row is within 16 of rows_here",
-                            "wm * 16 < rows_here;", "wm * 16 + 16 < rows_here;"),
+                            "warp_row0 < rows_here;", "warp_row0 + 16 < rows_here;"),
     # Caught because the glue poisons the partial buffers (NaN): the skipped values are 0 in the
     # reference and weighted 0 by the merge (lse -inf), so a zero-filled buffer would pass. The
     # request without a prefix sees nothing in split 0.
     "unseen_split_rows_not_written": (TV, "a split's rows that saw no key write no partial output",
-                                      "for (int d = 0; d < Cfg::kDvTiles; ++d) {\n        *reinterpret_cast<float2*>",
+                                      "for (int d = 0; d < Cfg::kDvTiles; ++d) {\n          *reinterpret_cast<float2*>",
                                       "for (int d = 0; seen && d < Cfg::kDvTiles; ++d) {\n"
-                                      "        *reinterpret_cast<float2*>"),
+                                      "          *reinterpret_cast<float2*>"),
 }
+
+
+# Mutants of sm_90's 128-row configuration with two m tiles per warp, run on its sm_90a PTX.
+PAIRED_MUTANTS = {
+    "paired_k_fragment_for_m_tile_0_only": (TV, "both m tiles' S from m tile 0's Q fragment",
+                                            "mma_16816<T>(s[mt][j], a[mt], b[0], b[1]);",
+                                            "mma_16816<T>(s[mt][j], a[0], b[0], b[1]);"),
+    "paired_p_of_m_tile_0": (TV, "both m tiles' O from m tile 0's P",
+                             "mma_16816<T>(acc[mt][d + 1], a[mt], b[2], b[3]);",
+                             "mma_16816<T>(acc[mt][d + 1], a[0], b[2], b[3]);"),
+    "paired_q_m_tile_stride_8_rows": (TV, "the second m tile's Q fragment 8 rows down instead of 16",
+                                      "q_off[kk % 4] + mt * 16 * kRowBytes", "q_off[kk % 4] + mt * 8 * kRowBytes"),
+    "paired_masks_of_m_tile_0": (TV, "the tail reads m tile 0's ancestor words for both m tiles",
+                                 "words[h] = s_mask[warp_row0 + mt * 16 + g + h * 8];",
+                                 "words[h] = s_mask[warp_row0 + g + h * 8];"),
+    "paired_merge_cell_of_m_tile_0": (TV, "the key-half merge hands over m tile 0's accumulators twice",
+                                      "mine[(mt * kPerTile + d * 4 + e) * 32 + lane] = acc[mt][d][e];",
+                                      "mine[(mt * kPerTile + d * 4 + e) * 32 + lane] = acc[0][d][e];"),
+    "paired_rows_per_warp_16": (TV, "warps_m from 16-row units (a warp's second m tile overlaps the next warp)",
+                                "ceil_div(rows_here, Cfg::kWarpRows)", "ceil_div(rows_here, 16)"),
+}
+
+
+def run_tree_verify_paired(ops):
+    # 128 rows (warps 4 x 2, merged), 40 rows (2 x 4) and none; a tree tail; 2 splits
+    case = make_case([16, 5, 0], [300, 70, 3], hq=8, hkv=1, d=128, dtype=torch.bfloat16, kind="random", seed=15)
+    out, lse = tv.run_ptx(case, ops, splits=2)
+    assert [l[0] for l in ops.launches][0].endswith("Li128ELi128ELb0ELi2E")
+    ref, ref_lse = tv.reference(case)
+    torch.testing.assert_close(out.float(), ref.float(), atol=2e-2, rtol=2e-2, equal_nan=True)
+    torch.testing.assert_close(lse, ref_lse.float(), atol=1e-4, rtol=1e-4, equal_nan=True)
 
 
 # Mutants of the online softmax (the full-tile fast path, lazy rescaling), run on the cases that
 # reach them: scores growing tile by tile, an infinite logit in a full tile, a negative scale.
 SOFTMAX_MUTANTS = {
     "o_rescale_skipped": (TV, "O never rescaled when the running max moves",
-                          "if (__any_sync(0xffffffffu, grow[0] || grow[1])) {", "if (false) {"),
+                          "if (__any_sync(0xffffffffu, grow_any)) {", "if (false) {"),
     "l_not_rescaled": (TV, "l keeps its old weighting when the running max moves",
-                       "l_i[h] = l_i[h] * alpha[h] + row_sum;", "l_i[h] = l_i[h] + row_sum;"),
+                       "l_i[mt][h] = l_i[mt][h] * alpha[mt][h] + row_sum;", "l_i[mt][h] = l_i[mt][h] + row_sum;"),
     "max_moves_without_rescale": (TV, "the running max follows every tile's max, rescaling only past the threshold",
-                                  "m_i[h] = grow[h] ? mx : m_i[h];", "m_i[h] = fmaxf(mx, m_i[h]);"),
+                                  "m_i[mt][h] = grow ? mx : m_i[mt][h];", "m_i[mt][h] = fmaxf(mx, m_i[mt][h]);"),
     "rescale_threshold_negative": (TV, "the threshold test inverted (rescale only when the max falls behind)",
-                                   "grow[h] = mx > m_i[h] + kLazyRescaleLog2;", "grow[h] = mx < m_i[h] + kLazyRescaleLog2;"),
+                                   "const bool grow = mx > m_i[mt][h] + kLazyRescaleLog2;",
+                                   "const bool grow = mx < m_i[mt][h] + kLazyRescaleLog2;"),
     "full_tile_unscaled": (TV, "the full-tile path exponentiates raw scores",
                            "const float mult = full ? qk_scale_log2 : 1.f;", "const float mult = 1.f;"),
     "full_tile_poison_dropped": (TV, "an infinite logit in a full tile is not turned into NaN",
-                                 "poison[h] = fabsf(a) < INFINITY && fabsf(b) < INFINITY ? 0.f : NAN;",
-                                 "poison[h] = 0.f;"),
+                                 "poison[mt][h] = fabsf(a) < INFINITY && fabsf(b) < INFINITY ? 0.f : NAN;",
+                                 "poison[mt][h] = 0.f;"),
     "full_tile_max_of_raw_max_only": (TV, "the row max from the raw maximum alone (wrong for a negative scale)",
-                                      "tile_max[h] = fmaxf(a, b);", "tile_max[h] = a;"),
+                                      "tile_max[mt][h] = fmaxf(a, b);", "tile_max[mt][h] = a;"),
 }
 
 
@@ -142,7 +175,7 @@ WIDE_MUTANTS = {
     "q_rows_64_up_in_k_stage": (TV, "Q rows 64-127 staged over rows 0-63 (last K stage) instead of the last V stage",
                                 "return (r < kStageKeys ? s_k : s_v)", "return (r < kStageKeys ? s_k : s_k)"),
     "wide_warps_m_4": (TV, "the 8 warps take at most 64 rows (warps_m capped at 4)",
-                       "!Cfg::kWide || rows_here <= 64 ? 4 : 8", "4"),
+                       "!Cfg::kWide || units <= 4 ? 4 : 8", "4"),
 }
 
 
@@ -151,7 +184,7 @@ def run_tree_verify_wide(ops):
     # 3 tiles each (the 3-stage ring), a tree tail
     case = make_case([16, 5], [130, 20], hq=8, hkv=1, d=128, dtype=torch.bfloat16, kind="random", seed=13)
     out, lse = tv.run_ptx(case, ops)
-    assert [l[0] for l in ops.launches][0].endswith("Li128ELi128ELb0E")
+    assert [l[0] for l in ops.launches][0].endswith("Li128ELi128ELb0ELi1E")
     ref, ref_lse = tv.reference(case)
     torch.testing.assert_close(out.float(), ref.float(), atol=2e-2, rtol=2e-2, equal_nan=True)
     torch.testing.assert_close(lse, ref_lse.float(), atol=1e-4, rtol=1e-4, equal_nan=True)
@@ -160,7 +193,7 @@ def run_tree_verify_wide(ops):
 # Mutants of the fp8-cache instances (byte stages converted per tile), run on fp8 cases.
 FP8_MUTANTS = {
     "fp8_v_scale_dropped": (TV, "the output is not multiplied by v_scale",
-                            "seen ? v_scale / l_i[h] : 0.f", "seen ? 1.f / l_i[h] : 0.f"),
+                            "seen ? v_scale / l : 0.f", "seen ? 1.f / l : 0.f"),
     "fp8_k_scale_tensor_ignored": (TV, "k_scale_tensor ignored (the host k_scale is used)",
                                    "qk_scale_log2 *= p.k_scale_ptr != nullptr ? *p.k_scale_ptr : p.k_scale;",
                                    "qk_scale_log2 *= p.k_scale;"),
@@ -228,6 +261,7 @@ def test_unmutated_case_passes():
     run_tree_verify_fp8(PtxCudaOps())
     run_merge(PtxCudaOps())
     run_softmax_edges(PtxCudaOps())
+    run_tree_verify_paired(PtxCudaOps(arch="sm_90a"))
 
 
 # Each mutant with the case that runs its configuration.
@@ -235,13 +269,15 @@ CASES = {**{name: (MUTANTS[name], run_tree_verify) for name in MUTANTS},
          **{name: (WIDE_MUTANTS[name], run_tree_verify_wide) for name in WIDE_MUTANTS},
          **{name: (FP8_MUTANTS[name], run_tree_verify_fp8) for name in FP8_MUTANTS},
          **{name: (MERGE_MUTANTS[name], run_merge) for name in MERGE_MUTANTS},
-         **{name: (SOFTMAX_MUTANTS[name], run_softmax_edges) for name in SOFTMAX_MUTANTS}}
+         **{name: (SOFTMAX_MUTANTS[name], run_softmax_edges) for name in SOFTMAX_MUTANTS},
+         **{name: (PAIRED_MUTANTS[name], run_tree_verify_paired) for name in PAIRED_MUTANTS}}
 
 
 @pytest.mark.parametrize("name", sorted(CASES))
 def test_mutant_is_caught(name):
     (path, what, old, new), run = CASES[name]
-    ops = PtxCudaOps(patched={path: patched(path, old, new)})
+    arch = {"arch": "sm_90a"} if run is run_tree_verify_paired else {}  # sm_90's configuration
+    ops = PtxCudaOps(patched={path: patched(path, old, new)}, **arch)
     with pytest.raises((AssertionError, SimError)) as info:
         run(ops)
     print(f"{name} ({what}) caught: {str(info.value).splitlines()[0][:200]}")

@@ -8,6 +8,8 @@ Tolerances: as for 16-bit caches (test_tree_verify_ptx.py): an fp8 value convert
 and bf16, k_scale folds into the fp32 softmax scale and v_scale into the fp32 normalisation, so
 the only roundings are P to q's dtype for the PV mma and the output's, as on the 16-bit path.
 """
+import re
+
 import pytest
 import torch
 
@@ -59,23 +61,26 @@ def kernel_launch(ops):
 
 E4, E5 = torch.float8_e4m3fn, torch.float8_e5m2
 # (draft counts, prefixes, hq, hkv, d, q dtype, fp8, tree kind, splits, tensor scales, decode,
-#  configuration suffix of the mangled name: <D, rows, fp8>, the arch the PTX is compiled for)
+#  configuration suffix of the mangled name: <D, rows, fp8, m tiles>, the arch the PTX is compiled for)
 CASES = [
-    ([5, 0, 17], [70, 3, 0], 4, 2, 64, torch.bfloat16, E4, "random", 2, False, False, "Li64ELi64ELb1E", "sm_120a"),
-    ([3, 9], [0, 130], 2, 2, 64, torch.float16, E5, "forest", 0, True, False, "Li64ELi64ELb1E", "sm_120a"),
+    ([5, 0, 17], [70, 3, 0], 4, 2, 64, torch.bfloat16, E4, "random", 2, False, False, "Li64ELi64ELb1ELi1E", "sm_120a"),
+    ([3, 9], [0, 130], 2, 2, 64, torch.float16, E5, "forest", 0, True, False, "Li64ELi64ELb1ELi1E", "sm_120a"),
     # D = 128, 17-64 rows: sm_90 (two CTAs per SM) the 64-row configuration, sm_120 (one) the
     # 8-warp 128-row one, two warps per 16 rows (36 rows: warps_m 4 x warps_n 2; 18: 2 x 4)
-    ([7, 2], [40, 200], 4, 1, 128, torch.float16, E4, "wide", 3, True, False, "Li128ELi64ELb1E", "sm_90a"),
-    ([7, 2], [40, 200], 4, 1, 128, torch.float16, E4, "wide", 3, True, False, "Li128ELi128ELb1E", "sm_120a"),
-    ([9, 2], [380, 3], 2, 1, 128, torch.bfloat16, E5, "random", 0, False, False, "Li128ELi128ELb1E", "sm_120a"),
-    ([4], [70], 2, 1, 256, torch.bfloat16, E4, "random", 0, False, False, "Li256ELi64ELb1E", "sm_120a"),
-    ([3], [40], 2, 1, 256, torch.float16, E5, "chain", 2, True, False, "Li256ELi64ELb1E", "sm_120a"),
+    ([7, 2], [40, 200], 4, 1, 128, torch.float16, E4, "wide", 3, True, False, "Li128ELi64ELb1ELi1E", "sm_90a"),
+    ([7, 2], [40, 200], 4, 1, 128, torch.float16, E4, "wide", 3, True, False, "Li128ELi128ELb1ELi1E", "sm_120a"),
+    ([9, 2], [380, 3], 2, 1, 128, torch.bfloat16, E5, "random", 0, False, False, "Li128ELi128ELb1ELi1E", "sm_120a"),
+    ([4], [70], 2, 1, 256, torch.bfloat16, E4, "random", 0, False, False, "Li256ELi64ELb1ELi1E", "sm_120a"),
+    ([3], [40], 2, 1, 256, torch.float16, E5, "chain", 2, True, False, "Li256ELi64ELb1ELi1E", "sm_120a"),
     # > 64 rows at D = 128: the 128-row configuration; an empty request; 2 splits
-    ([16, 5, 0], [300, 70, 3], 8, 1, 128, torch.float16, E4, "random", 2, False, False, "Li128ELi128ELb1E", "sm_120a"),
-    ([16, 3], [130, 20], 8, 1, 128, torch.bfloat16, E5, "random", 0, True, False, "Li128ELi128ELb1E", "sm_120a"),
+    ([16, 5, 0], [300, 70, 3], 8, 1, 128, torch.float16, E4, "random", 2, False, False, "Li128ELi128ELb1ELi1E", "sm_120a"),
+    ([16, 3], [130, 20], 8, 1, 128, torch.bfloat16, E5, "random", 0, True, False, "Li128ELi128ELb1ELi1E", "sm_120a"),
+    # sm_90a, > 64 rows: two m tiles per warp (warps_m 4 x warps_n 2; 5 x 8 = 40 rows: 2 x 4)
+    ([16, 5, 0], [300, 70, 3], 8, 1, 128, torch.float16, E4, "random", 2, False, False, "Li128ELi128ELb1ELi2E", "sm_90a"),
+    ([16, 3], [130, 20], 8, 1, 128, torch.bfloat16, E5, "random", 0, True, False, "Li128ELi128ELb1ELi2E", "sm_90a"),
     # decode at D = 128 on sm_120: the 32-row configuration (two 41 KB CTAs per SM)
-    ([1, 1, 1], [9, 66, 260], 8, 2, 128, torch.bfloat16, E4, "random", 2, True, True, "Li128ELi32ELb1E", "sm_120a"),
-    ([1, 1], [300, 40], 8, 2, 128, torch.float16, E5, "random", 0, False, True, "Li128ELi32ELb1E", "sm_120a"),
+    ([1, 1, 1], [9, 66, 260], 8, 2, 128, torch.bfloat16, E4, "random", 2, True, True, "Li128ELi32ELb1ELi1E", "sm_120a"),
+    ([1, 1], [300, 40], 8, 2, 128, torch.float16, E5, "random", 0, False, True, "Li128ELi32ELb1ELi1E", "sm_120a"),
 ]
 
 
@@ -95,8 +100,7 @@ def test_every_fp8_configuration_has_a_case():
     from spec_kernels import _ops
 
     compiled = {c.template_args for c in _ops.kernel_configs() if c.kernel == "tree_verify_kernel" and c.kv_fp8}
-    reached = {"{},{},true".format(*[int(x) for x in c[-2][2:].replace("ELi", " ").replace("ELb1E", "").split()])
-               for c in CASES}
+    reached = {"{},{},true,{}".format(*re.fullmatch(r"Li(\d+)ELi(\d+)ELb1ELi(\d+)E", c[-2]).groups()) for c in CASES}
     assert compiled == reached
 
 
@@ -104,7 +108,7 @@ def test_sm90a_fp8_decode_takes_the_large_configuration():
     """sm_90a (228 KB per SM): D = 128 decode on an fp8 cache keeps the 64-row configuration."""
     case = make_case([1, 1], [300, 5], hq=8, hkv=1, d=128, dtype=torch.bfloat16, seed=4)
     ops = check(case, E4, torch.bfloat16, arch="sm_90a", decode=True, splits=2)
-    assert kernel_launch(ops)[0].endswith("Li128ELi64ELb1E")
+    assert kernel_launch(ops)[0].endswith("Li128ELi64ELb1ELi1E")
 
 
 def test_fp8_cache_reads_half_the_bytes():

@@ -71,7 +71,7 @@ def test_decode_matches_reference(dtype, splits, d):
     case = make_case([1, 1, 1], [9, 66, 1 if d == 64 else 260], hq=8, hkv=2, d=d, dtype=dtype, seed=3)
     ops = check(case, dtype, decode=True, splits=splits)
     # sm_120 (100 KB per SM): D = 128 decode takes the small configuration (two CTAs per SM)
-    small = [l[0] for l in ops.launches if l[0].startswith("tree_verify_kernel")][0].endswith("Li32ELb0E")
+    small = [l[0] for l in ops.launches if l[0].startswith("tree_verify_kernel")][0].endswith("Li32ELb0ELi1E")
     assert small == (d == 128)
 
 
@@ -81,7 +81,7 @@ def test_decode_sm90a_large_configuration():
     case = make_case([1, 1], [300, 5], hq=8, hkv=1, d=128, dtype=torch.bfloat16, seed=4)
     ops = PtxCudaOps(arch="sm_90a")
     out, lse = run_ptx(case, ops, decode=True)
-    assert [l[0] for l in ops.launches] == ["tree_verify_kernelI13__nv_bfloat16Li128ELi64ELb0E"]
+    assert [l[0] for l in ops.launches] == ["tree_verify_kernelI13__nv_bfloat16Li128ELi64ELb0ELi1E"]
     ref, ref_lse = reference(case, decode=True)
     torch.testing.assert_close(out.float(), ref.float(), atol=TOL[torch.bfloat16], rtol=TOL[torch.bfloat16])
     torch.testing.assert_close(lse, ref_lse.float(), atol=1e-4, rtol=1e-4)
@@ -181,7 +181,7 @@ def test_wide_configuration_reads_kv_once():
     case = make_case([16], [240], hq=8, hkv=1, d=128, dtype=torch.bfloat16, kind="random", seed=8)
     ops = check(case, torch.bfloat16, max_draft_tokens=16)
     launch = [l for l in ops.launches if l[0].startswith("tree_verify_kernel")][0]
-    assert launch[0].endswith("Li128ELi128ELb0E") and launch[1] == (1, 1) and launch[2] == (256,)
+    assert launch[0].endswith("Li128ELi128ELb0ELi1E") and launch[1] == (1, 1) and launch[2] == (256,)
     stats = launch[4]
     kv_bytes = 256 * 128 * 2  # keys x D x bf16, per cache
     assert stats.region_read["k_cache"] == kv_bytes, stats.region_read
@@ -189,6 +189,48 @@ def test_wide_configuration_reads_kv_once():
     for op in ("ldmatrix.sync.aligned.m8n8.x4.shared.b16", "ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16",
                "cp.async.cg.shared.global"):
         assert stats.bank_conflicts.get(op, 0) == 0, (op, stats.bank_conflicts)
+
+
+# sm_90a, more than 64 rows at D = 128: the 128-row configuration with two m tiles per warp
+# (draft counts, prefixes, hq, hkv, dtype, tree kind, forced splits)
+PAIRED_CASES = [
+    ([16, 5, 0], [300, 70, 3], 8, 1, torch.float16, "random", 2),  # 128 rows (4 x 2 warps), 40 (2 x 4), none
+    ([9, 16], [130, 0], 8, 1, torch.bfloat16, "forest", 0),        # 72 rows: a half-empty warp, an idle one
+    ([13, 4], [250, 61], 16, 2, torch.bfloat16, "chain", 3),       # 104 rows, 2 KV heads, 3 splits
+]
+
+
+@pytest.mark.parametrize("ns,prefixes,hq,hkv,dtype,kind,splits", PAIRED_CASES,
+                         ids=[f"case{i}" for i in range(len(PAIRED_CASES))])
+def test_sm90a_two_m_tiles_per_warp(ns, prefixes, hq, hkv, dtype, kind, splits):
+    case = make_case(ns, prefixes, hq=hq, hkv=hkv, d=128, dtype=dtype, kind=kind, seed=sum(ns) + hq)
+    ops = PtxCudaOps(arch="sm_90a")
+    out, lse = run_ptx(case, ops, splits=splits)
+    launch = [l for l in ops.launches if l[0].startswith("tree_verify_kernel")][0]
+    assert launch[0].endswith("Li128ELi128ELb0ELi2E") and launch[2] == (256,), launch[:3]
+    ref, ref_lse = reference(case)
+    torch.testing.assert_close(out.float(), ref.float(), atol=TOL[dtype], rtol=TOL[dtype], equal_nan=True)
+    torch.testing.assert_close(lse, ref_lse.float(), atol=1e-4, rtol=1e-4, equal_nan=True)
+    stats = launch[4]
+    for op in ("ldmatrix.sync.aligned.m8n8.x4.shared.b16", "ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16",
+               "cp.async.cg.shared.global"):
+        assert stats.bank_conflicts.get(op, 0) == 0, (op, stats.bank_conflicts)
+
+
+def test_sm90a_two_m_tiles_read_two_thirds_of_the_shared_bytes():
+    """Per KV tile each of the 8 warps of the two-m-tile configuration loads K, V and Q fragments
+    of 8 KB (192 KB) where the one-m-tile configuration loads K and V of 16 KB (256 KB)."""
+    case = make_case([16], [256], hq=8, hkv=1, d=128, dtype=torch.bfloat16, kind="random", seed=8)
+    per_tile = {}
+    for arch in ("sm_90a", "sm_120a"):
+        ops = PtxCudaOps(arch=arch)
+        run_ptx(case, ops)
+        st = [l[4] for l in ops.launches if l[0].startswith("tree_verify_kernel")][0]
+        per_tile[arch] = st.shared_bytes["ldmatrix"]
+    # 4 prefix tiles and the tail tile of 16 drafts, which the warps of the second key half skip
+    # (two m tiles) and every warp reads whole (one m tile, which also loads Q into registers once)
+    assert per_tile["sm_120a"] == 5 * 256 * 1024 + 8 * 16 * 128 * 2
+    assert per_tile["sm_90a"] == 4 * 192 * 1024 + 96 * 1024
 
 
 def test_sm90a_ptx_matches_reference():

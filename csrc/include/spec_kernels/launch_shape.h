@@ -13,6 +13,7 @@ struct LaunchShape {
   int min_ctas_per_sm;  // __launch_bounds__' second argument (0: none given)
   int kv_fp8;           // 1: the instance for fp8 KV caches
   int block_n;          // keys per KV tile: tells apart configurations of equal block_m
+  int warp_rows;        // query rows of a warp's unit of work (so does this)
 };
 
 }  // namespace spec_kernels

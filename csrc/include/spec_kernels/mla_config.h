@@ -100,7 +100,7 @@ template <int kMTiles, int kKSplit, bool kFp8, int kRegs>
 constexpr LaunchShape mla_instance_shape() {
   using Tile = MlaTile<kMTiles, kFp8, kKSplit>;
   return LaunchShape{kMlaHeadDim, Tile::kBlockM, Tile::kThreads, Tile::kSmemBytes, kRegs, 0, kFp8 ? 1 : 0,
-                     Tile::kBlockN};
+                     Tile::kBlockN, Tile::kSplit ? 32 : 16};
 }
 
 // The compiled configuration of block_m rows per CTA and k split (fp8: its fp8-cache instance);
@@ -112,7 +112,7 @@ constexpr LaunchShape mla_config_shape(int block_m, int k_split, bool fp8) {
                : mla_instance_shape<M_TILES, K_SPLIT, false, REGS>();
   SPEC_KERNELS_MLA_CONFIGS(SPEC_KERNELS_MLA_SHAPE)
 #undef SPEC_KERNELS_MLA_SHAPE
-  return LaunchShape{kMlaHeadDim, 0, 0, 0, 0, 0, fp8 ? 1 : 0, 0};
+  return LaunchShape{kMlaHeadDim, 0, 0, 0, 0, 0, fp8 ? 1 : 0, 0, 0};
 }
 
 // The configuration a launch of max_rows takes: mla_block_m rows per CTA (the same on every
