@@ -30,6 +30,7 @@ import re
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from dataclasses import asdict, dataclass, field
 from functools import lru_cache
@@ -81,10 +82,20 @@ def _read(path: str) -> Optional[str]:
 
 
 # --------------------------------------------------------------------------- nvcc and its flags
+# CPython 3.11's ast.parse is not thread-safe: two threads parsing at once can fail with
+# "AST constructor recursion depth mismatch", and the PTX builds run in threads.
+_AST_LOCK = threading.Lock()
+
+
+def _parse(source: str) -> ast.AST:
+    with _AST_LOCK:
+        return ast.parse(source)
+
+
 def setup_py_nvcc_flags() -> list[str]:
     """The "nvcc" list of extra_compile_args in setup.py, read from its source (not run)."""
     with open(os.path.join(REPO, "setup.py"), encoding="utf-8") as f:
-        tree = ast.parse(f.read())
+        tree = _parse(f.read())
     for node in ast.walk(tree):
         if isinstance(node, ast.Dict):
             for k, v in zip(node.keys, node.values):
@@ -104,7 +115,7 @@ def torch_nvcc_flags() -> tuple[list[str], str, str]:
     if path is None or not os.path.exists(path):
         return list(FALLBACK_TORCH_NVCC_FLAGS), FALLBACK_STD, "fixed list (torch not found)"
     with open(path, encoding="utf-8") as f:
-        tree = ast.parse(f.read())
+        tree = _parse(f.read())
     common, std = None, None
     for node in ast.walk(tree):
         if (isinstance(node, ast.Assign) and len(node.targets) == 1 and isinstance(node.targets[0], ast.Name)
