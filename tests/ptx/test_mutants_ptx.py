@@ -92,11 +92,7 @@ PAIRED_MUTANTS = {
 def run_tree_verify_paired(ops):
     # 128 rows (warps 4 x 2, merged), 40 rows (2 x 4) and none; a tree tail; 2 splits
     case = make_case([16, 5, 0], [300, 70, 3], hq=8, hkv=1, d=128, dtype=torch.bfloat16, kind="random", seed=15)
-    out, lse = tv.run_ptx(case, ops, splits=2)
-    assert [l[0] for l in ops.launches][0].endswith("Li128ELi128ELb0ELi2E")
-    ref, ref_lse = tv.reference(case)
-    torch.testing.assert_close(out.float(), ref.float(), atol=2e-2, rtol=2e-2, equal_nan=True)
-    torch.testing.assert_close(lse, ref_lse.float(), atol=1e-4, rtol=1e-4, equal_nan=True)
+    matches_reference(case, ops, launched="Li128ELi128ELb0ELi2E", splits=2)
 
 
 # Mutants of the online softmax (the full-tile fast path, lazy rescaling), run on the cases that
@@ -123,18 +119,11 @@ SOFTMAX_MUTANTS = {
 
 def run_softmax_edges(ops):
     for splits in (0, 2):
-        case = tv.growing_scores_case()
-        out, lse = tv.run_ptx(case, ops, splits=splits)
-        ref, ref_lse = tv.reference(case)
-        torch.testing.assert_close(out.float(), ref.float(), atol=2e-2, rtol=2e-2, equal_nan=True)
-        torch.testing.assert_close(lse, ref_lse.float(), atol=1e-4, rtol=1e-4, equal_nan=True)
+        matches_reference(tv.growing_scores_case(), ops, splits=splits)
     out, lse = tv.run_ptx(tv.infinite_logit_case(), ops)
     assert torch.isnan(out[3:].float()).all() and torch.isnan(lse[3:]).all()
     case = make_case([6, 2], [300, 70], hq=4, hkv=2, d=64, dtype=torch.bfloat16, kind="random", seed=9)
-    out, lse = tv.run_ptx(case, ops, sm_scale=-4.0)
-    ref, ref_lse = tv.reference(case, sm_scale=-4.0)
-    torch.testing.assert_close(out.float(), ref.float(), atol=2e-2, rtol=2e-2)
-    torch.testing.assert_close(lse, ref_lse.float(), atol=1e-4, rtol=1e-4)
+    matches_reference(case, ops, sm_scale=-4.0)
 
 
 # Not a mutant any more: "no __syncthreads before the warps_n merge reuses the tiles' memory".
@@ -150,6 +139,17 @@ def patched(path, old, new):
     return text.replace(old, new)
 
 
+def matches_reference(case, ops, launched=None, decode=False, sm_scale=None, **kw):
+    """`case` through the binding with `ops`: output and lse match the reference (bf16 tolerances);
+    `launched`: the first launch's mangled name ends with it."""
+    out, lse = tv.run_ptx(case, ops, decode=decode, sm_scale=sm_scale, **kw)
+    if launched is not None:
+        assert [l[0] for l in ops.launches][0].endswith(launched)
+    ref, ref_lse = tv.reference(case, decode=decode, sm_scale=sm_scale)
+    torch.testing.assert_close(out.float(), ref.float(), atol=2e-2, rtol=2e-2, equal_nan=True)
+    torch.testing.assert_close(lse, ref_lse.float(), atol=1e-4, rtol=1e-4, equal_nan=True)
+
+
 def run_tree_verify(ops):
     # More KV tiles per split than stages (prefetch into a stage read before; D = 64: two stages,
     # D = 128: three, and 5 tiles in each split to wrap the 4-tile slot-id ring), a tree tail,
@@ -158,16 +158,10 @@ def run_tree_verify(ops):
     # straight to the merge
     for d, prefix in ((128, 520), (64, 200)):
         case = make_case([6, 3, 2], [prefix, 20, 0], hq=4, hkv=1, d=d, dtype=torch.bfloat16, kind="random", seed=11)
-        out, lse = tv.run_ptx(case, ops, splits=2)
-        ref, ref_lse = tv.reference(case)
-        torch.testing.assert_close(out.float(), ref.float(), atol=2e-2, rtol=2e-2, equal_nan=True)
-        torch.testing.assert_close(lse, ref_lse.float(), atol=1e-4, rtol=1e-4, equal_nan=True)
+        matches_reference(case, ops, splits=2)
     # Decode at D = 128: sm_120's small configuration (32-key stages), 9 tiles in the last split
-    case = make_case([1, 1], [300, 40], hq=8, hkv=2, d=128, dtype=torch.bfloat16, seed=12)
-    out, lse = tv.run_ptx(case, ops, decode=True, splits=2)
-    ref, ref_lse = tv.reference(case, decode=True)
-    torch.testing.assert_close(out.float(), ref.float(), atol=2e-2, rtol=2e-2, equal_nan=True)
-    torch.testing.assert_close(lse, ref_lse.float(), atol=1e-4, rtol=1e-4, equal_nan=True)
+    matches_reference(make_case([1, 1], [300, 40], hq=8, hkv=2, d=128, dtype=torch.bfloat16, seed=12), ops,
+                      decode=True, splits=2)
 
 
 # Mutants of the 128-row configuration (8 warps, D = 128), run on a case that takes it.
@@ -183,11 +177,7 @@ def run_tree_verify_wide(ops):
     # 16 drafts x GQA 8 = 128 rows (warps_m 8) and 5 x 8 = 40 rows (warps_m 4 x warps_n 2, merged),
     # 3 tiles each (the 3-stage ring), a tree tail
     case = make_case([16, 5], [130, 20], hq=8, hkv=1, d=128, dtype=torch.bfloat16, kind="random", seed=13)
-    out, lse = tv.run_ptx(case, ops)
-    assert [l[0] for l in ops.launches][0].endswith("Li128ELi128ELb0ELi1E")
-    ref, ref_lse = tv.reference(case)
-    torch.testing.assert_close(out.float(), ref.float(), atol=2e-2, rtol=2e-2, equal_nan=True)
-    torch.testing.assert_close(lse, ref_lse.float(), atol=1e-4, rtol=1e-4, equal_nan=True)
+    matches_reference(case, ops, launched="Li128ELi128ELb0ELi1E")
 
 
 # Mutants of the fp8-cache instances (byte stages converted per tile), run on fp8 cases.
@@ -249,10 +239,7 @@ def run_merge(ops):
     # that starts 1 element into its buffer (rows 2 bytes off 8-byte alignment)
     for d, offset in ((128, 0), (128, 1), (64, 1)):
         case = make_case([4, 2], [900, 300], hq=4, hkv=2, d=d, dtype=torch.bfloat16, kind="random", seed=14)
-        out, lse = tv.run_ptx(case, ops, splits=3, out_offset=offset)
-        ref, ref_lse = tv.reference(case)
-        torch.testing.assert_close(out.float(), ref.float(), atol=2e-2, rtol=2e-2, equal_nan=True)
-        torch.testing.assert_close(lse, ref_lse.float(), atol=1e-4, rtol=1e-4, equal_nan=True)
+        matches_reference(case, ops, splits=3, out_offset=offset)
 
 
 def test_unmutated_case_passes():
