@@ -50,12 +50,8 @@ def cuda_tree_verify_resources(head_dim: int, block_m: int = 64, kv_fp8: bool = 
 
 def cuda_tree_verify_kernel(head_dim: int, rows: int, kv_fp8: bool = False) -> Callable[[DeviceLimits], KernelResources]:
     """The resources of the configuration a launch of `rows` (max_rows) takes on a device."""
-    def resources(limits: DeviceLimits) -> KernelResources:
-        c = cuda_tree_verify_launch(head_dim, rows, limits, kv_fp8)
-        if c.block_m == 0:
-            kernel_config(KERNEL, head_dim, 64, kv_fp8)  # raises, naming the compiled configurations
-        return KernelResources(c.threads, c.regs, c.smem_bytes)
-    return resources
+    return lambda limits: cuda_tree_verify_resources(
+        head_dim, cuda_tree_verify_block_m(head_dim, rows, limits, kv_fp8), kv_fp8, limits)
 
 
 def split_traffic(head_dim: int, kv_fp8: bool = False) -> SplitTraffic:
