@@ -67,7 +67,7 @@ class LaunchShape:
     dynamic shared memory, registers per thread (ptxas), __launch_bounds__ CTAs per SM, keys per
     KV tile (`block_n`) and query rows of a warp's unit of work (`warp_rows`), which tell apart
     configurations of equal block_m.
-    `kernel` / `template_args` name the instance (e.g. tree_verify_kernel, "128,32")."""
+    `kernel` / `template_args` name the instance (e.g. tree_verify_kernel, "128,32,false,1")."""
 
     head_dim: int
     block_m: int

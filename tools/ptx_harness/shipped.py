@@ -113,7 +113,7 @@ def _demangled(entry_names: tuple[str, ...]) -> dict[str, str]:
 
 def entry_of(module, kernel: str, *template_args) -> str:
     """The mangled entry of the instance kernel<template_args...> in a parsed PTX module (e.g.
-    entry_of(mod, "tree_verify_kernel", "__half", "128,32"))."""
+    entry_of(mod, "tree_verify_kernel", "__half", "128,32,false,1"))."""
     want = f"{kernel}<{','.join(str(a) for a in template_args)}>".replace(" ", "")
     found = _demangled(tuple(sorted(module.entries)))
     if want not in found:
