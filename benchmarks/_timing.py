@@ -215,6 +215,7 @@ def format_summary(rows: list[dict]) -> list[str]:
 
     lines += format_decode_steps(rows)
     lines += format_split_sweep(rows, read_gbps)
+    lines += format_merge_launch(rows)
     attn = [r for r in rows if r["kind"] == "attention"]
     if not attn:
         return lines
@@ -280,6 +281,34 @@ def format_split_sweep(rows: list[dict], read_gbps: Optional[float] = None) -> l
             best = min(by_forced.values(), key=lambda r: r["median_s"])
             lines.append(f"    planned / fastest = {planned['median_s'] / best['median_s']:.3f} "
                          f"(fastest: {best['splits']} splits)")
+    return lines
+
+
+def format_merge_launch(rows: list[dict]) -> list[str]:
+    """Per shape: the CUDA path with its split merge launched as a programmatic dependent and as a
+    plain launch (measured medians, the same run), their difference, and the model's time."""
+    shapes: dict[tuple, dict[bool, dict]] = {}
+    for r in rows:
+        if r["kind"] == "merge_launch":
+            shapes.setdefault((r["B"], r["L"], r["n"], r["Hq"], r["Hkv"], r["D"], r["dtype"]), {})[r["dependent"]] = r
+    if not shapes:
+        return []
+    lines = ["", "split merge launch (CUDA tree verify at the planned split count; us = measured median per call;",
+             "  dependent = the merge launched as a programmatic dependent, plain = an ordinary launch; model = the",
+             "  speed-of-light model's time of the dependent launch)"]
+    for (B, L, n, Hq, Hkv, D, dtype), by in shapes.items():
+        dep, plain = by.get(True), by.get(False)
+        splits = (dep or plain)["splits"]
+        line = f"  B={B} L={L} n={n} Hq/Hkv={Hq}/{Hkv} D={D} {dtype} ({splits} splits):"
+        if dep:
+            model = dep.get("modelled_s")
+            line += f" dependent {_num(dep['median_s'] * 1e6)} us {_num(dep.get('gbps'))} GB/s" \
+                    f" (model {_num(model * 1e6 if model else None)} us)"
+        if plain:
+            line += f", plain {_num(plain['median_s'] * 1e6)} us {_num(plain.get('gbps'))} GB/s"
+        if dep and plain:
+            line += f", saved {_num((plain['median_s'] - dep['median_s']) * 1e6)} us"
+        lines.append(line)
     return lines
 
 

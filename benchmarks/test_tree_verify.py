@@ -343,6 +343,38 @@ def test_forced_splits(benchmark, bench_results, case, forced):
                    modelled_s=modelled_split_seconds(case, splits), **info)
 
 
+# --------------------------------------------------------------------------- merge launch
+# The CUDA path at its planned split count with the split merge launched as a programmatic
+# dependent of the attention kernel (the default) and as a plain launch, side by side.
+@pytest.mark.parametrize("case,pdl", [pytest.param(c, p, id=f"{c.id}-cuda-{'dependent' if p else 'plain'}")
+                                      for c in SPLIT_CASES for p in (True, False)])
+def test_merge_launch(benchmark, bench_results, case, pdl):
+    """tree_verify through TreeVerifyPlan (CUDA), the merge launched as a programmatic dependent or not."""
+    if "cuda" not in IMPLS:
+        pytest.skip("the merge launch is the CUDA extension's: needs it built, on a GPU")
+    from spec_kernels.testing import programmatic_launch
+
+    benchmark.group = f"merge launch: {case.group} n={case.n}"
+    inp = make_inputs(case, _timing.input_sets_for(case.bytes, DEVICE), need_dense_mask=False)
+    plans = [spec_kernels.TreeVerifyPlan(inp.kv_indptr, s.kv_indices, inp.qo_indptr, s.tree_mask,
+                                         num_q_heads=case.Hq, num_kv_heads=case.Hkv, head_dim=case.D,
+                                         dtype=case.q_dtype, max_draft_tokens=case.n, impl="cuda") for s in inp.sets]
+    out = torch.empty(case.B * case.n, case.Hq, case.Dv, dtype=case.q_dtype, device=DEVICE)
+    calls = [(lambda p=p, s=s: p.run(s.q, inp.k_cache, inp.v_cache, out=out)) for p, s in zip(plans, inp.sets)]
+    with programmatic_launch(pdl):
+        if case.kv_rows <= CHECK_MAX_KV_ROWS:  # a wrong result is worth no timing
+            expected = torch.empty_like(out)
+            launcher("reference", case, inp, inp.sets[0], expected)()
+            calls[0]()
+            tol = 1e-3 if case.q_dtype == torch.float32 else 2e-2
+            torch.testing.assert_close(out, expected, atol=tol, rtol=tol)
+        info = _timing.measure(benchmark, calls, DEVICE, PRESET.rounds)
+    _timing.record(benchmark, bench_results, case.bytes, kind="merge_launch", op="tree_verify", impl="cuda",
+                   B=case.B, L=case.L, n=case.n, Hq=case.Hq, Hkv=case.Hkv, D=case.D, Dv=case.Dv,
+                   dtype=case.dtype_label, dependent=pdl, splits=plans[0].num_kv_splits,
+                   modelled_s=modelled_split_seconds(case, plans[0].num_kv_splits) if pdl else None, **info)
+
+
 @pytest.mark.parametrize("case,impl", [pytest.param(c, i, id=f"{c.id}-{i}") for c in CASES for i in IMPLS] +
                          [pytest.param(c, i, id=f"{c.id}-{i}") for c in FP8_CASES for i in FP8_IMPLS])
 def test_attention(benchmark, bench_results, case, impl):

@@ -93,6 +93,10 @@ int64_t set_launch_smem_limit(int64_t smem_per_sm) {
   return spec_kernels::launch_smem_limit().exchange(static_cast<int>(smem_per_sm));
 }
 
+// Whether the attention kernels' split merges are launched as programmatic dependents
+// (spec_kernels/programmatic_launch.cuh; SPEC_KERNELS_PDL=0 starts it off); returns the setting before.
+bool set_programmatic_launch(bool enabled) { return spec_kernels::programmatic_launch_enabled().exchange(enabled); }
+
 namespace b = spec_kernels::binding;
 
 }  // namespace
@@ -103,6 +107,7 @@ TORCH_LIBRARY(spec_kernels_cuda, m) {
   m.def("compiled_constants() -> str", &compiled_constants);
   m.def("kernel_configs() -> str", &kernel_configs);
   m.def("set_launch_smem_limit(int smem_per_sm) -> int", &set_launch_smem_limit);
+  m.def("set_programmatic_launch(bool enabled) -> bool", &set_programmatic_launch);
   m.def("tree_verify_launch_config(int head_dim, int max_rows, int smem_per_sm, int smem_reserved_per_cta, "
         "bool kv_fp8=False) -> int[]",
         &b::tree_verify_launch_config);

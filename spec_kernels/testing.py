@@ -153,6 +153,20 @@ def naive_attention(case: Case, sm_scale: float | None = None, decode: bool = Fa
 
 
 @contextlib.contextmanager
+def programmatic_launch(enabled: bool):
+    """Inside, the CUDA attention kernels' split merges are launched as programmatic dependents
+    (enabled, the default outside: SPEC_KERNELS_PDL=0 turns it off) or as plain launches; the two
+    give the same bytes. Process-wide; the previous setting is restored on exit."""
+    from ._ops import cuda_ops
+
+    previous = cuda_ops().set_programmatic_launch(bool(enabled))
+    try:
+        yield
+    finally:
+        cuda_ops().set_programmatic_launch(previous)
+
+
+@contextlib.contextmanager
 def launch_rule_as_on(smem_per_sm: int):
     """For GPU tests: inside, CUDA attention launches choose their configuration as if the device
     had at most `smem_per_sm` bytes of shared memory per SM (never more than its own), so one GPU

@@ -243,6 +243,35 @@ def test_gpu_cuda_decode_and_determinism(splits):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("decode", [True, False])
+def test_gpu_dependent_and_plain_merge_launches_give_the_same_bytes(decode):
+    """The split merge launched as a programmatic dependent (the default) and as a plain launch:
+    bitwise the same output and lse, eagerly and replayed from a CUDA graph (a graph records the
+    programmatic edge), at several split counts."""
+    from spec_kernels.testing import programmatic_launch
+
+    case = make_case([1] * 5 if decode else [16, 3, 9, 1], [4000, 37, 2500, 901, 5][:5 if decode else 4], hq=32,
+                     hkv=4, d=128, dtype=torch.bfloat16, seed=17, device="cuda")
+    run = (lambda s: spec_kernels.decode_attention(case.q, case.k_cache, case.v_cache, case.kv_indptr,
+                                                   case.kv_indices, return_lse=True, impl="cuda", num_kv_splits=s)) \
+        if decode else (lambda s: spec_kernels.tree_verify_attention(*case.args, return_lse=True, impl="cuda",
+                                                                    num_kv_splits=s))
+    for splits in (2, 5, 16):
+        with programmatic_launch(False):
+            plain = run(splits)
+        with programmatic_launch(True):
+            dependent = run(splits)
+            graph, out = torch.cuda.CUDAGraph(), None
+            run(splits)  # warm-up outside the capture (launch attributes, allocator)
+            with torch.cuda.graph(graph):
+                out = run(splits)
+            graph.replay()
+            torch.cuda.synchronize()
+        for got in (dependent, out):
+            assert torch.equal(got[0], plain[0]) and torch.equal(got[1], plain[1]), f"{splits} splits"
+
+
+@pytest.mark.gpu
 def test_gpu_cuda_kernel_stays_in_bounds_on_malformed_indices():
     from spec_kernels.tree_verify import cuda as cuda_binding
 

@@ -37,7 +37,9 @@
 //     (H = 16 x n = 16: 4 CTAs, not 8) and gives sm_120 8 warps per SM instead of 4.
 //
 // With num_splits > 1 every split writes a normalised partial output and its base-2 log-sum-exp;
-// mla_merge_splits_kernel combines them in a fixed order (bitwise deterministic, no atomics).
+// mla_merge_splits_kernel combines them in a fixed order (bitwise deterministic, no atomics),
+// launched as a programmatic dependent (spec_kernels/programmatic_launch.cuh) so that its launch
+// overlaps this kernel's last CTAs.
 //
 // An fp8 cache (kFp8) is gathered as bytes and converted once per tile into one tile of q's dtype
 // (MlaTile's comment says why), which K and V^T are read from; the 64-row CTA stages its Q
@@ -557,6 +559,7 @@ __global__ void __launch_bounds__(MlaTile<kMTiles, kFp8, kKSplit>::kThreads) mla
     stage = stage + 1 == Tile::kStages ? 0 : stage + 1;
   }
   cp_async_wait<0>();
+  launch_dependents();  // the merge kernel may be scheduled now (it waits for this grid's end)
 
   // ---- row sums: each owner's quad sum -> s_red (last read before the last tile's P barrier)
 #pragma unroll
@@ -632,8 +635,8 @@ cudaError_t launch(const MlaParams& p, int device, cudaStream_t stream) {
   mla_tree_verify_kernel<T, kMTiles, kFp8, kKSplit><<<grid, Tile::kThreads, kSmem, stream>>>(p);
   cudaError_t err = cudaGetLastError();
   if (err != cudaSuccess || p.num_splits == 1) return err;
-  mla_merge_splits_kernel<T><<<static_cast<unsigned>(p.num_tokens) * p.num_heads, kMlaMergeThreads, 0, stream>>>(p);
-  return cudaGetLastError();
+  return launch_dependent(mla_merge_splits_kernel<T>, dim3(static_cast<unsigned>(p.num_tokens) * p.num_heads),
+                          dim3(kMlaMergeThreads), 0, stream, p);
 }
 
 template <typename T>

@@ -17,7 +17,9 @@
 // tile, each with its own online softmax, merged through shared memory at the end.
 //
 // With num_splits > 1 every split writes a normalised partial output and its base-2 log-sum-exp;
-// merge_splits_kernel combines them in a fixed order (bitwise deterministic, no atomics).
+// merge_splits_kernel combines them in a fixed order (bitwise deterministic, no atomics),
+// launched as a programmatic dependent (spec_kernels/programmatic_launch.cuh) so that its launch
+// overlaps this kernel's last CTAs.
 //
 // An fp8 cache (kFp8) is gathered as bytes and converted once per tile into K and V tiles of q's
 // dtype (TileConfig's comment says why); k_scale folds into the softmax scale, v_scale into the
@@ -473,6 +475,7 @@ __global__ void __launch_bounds__(TileConfig<D, kRows, kFp8, kMTiles>::kThreads,
     __syncthreads();  // the stage is refilled by the next iteration's prefetch
   }
   cp_async_wait<0>();
+  launch_dependents();  // the merge kernel may be scheduled now (it waits for this grid's end)
 
 #pragma unroll
   for (int mt = 0; mt < kMT; ++mt) {
@@ -595,8 +598,8 @@ cudaError_t launch_config(const TreeVerifyParams& p, int device, cudaStream_t st
   tree_verify_kernel<T, D, kRows, kFp8, kMTiles><<<grid, Cfg::kThreads, Cfg::kSmemBytes, stream>>>(p);
   cudaError_t err = cudaGetLastError();
   if (err != cudaSuccess || p.num_splits == 1) return err;
-  merge_splits_kernel<T><<<p.num_tokens * p.num_q_heads, kTreeVerifyMergeThreads, 0, stream>>>(p);
-  return cudaGetLastError();
+  return launch_dependent(merge_splits_kernel<T>, dim3(p.num_tokens * p.num_q_heads), dim3(kTreeVerifyMergeThreads), 0,
+                          stream, p);
 }
 
 template <typename T>

@@ -97,6 +97,9 @@ class DeviceLimits:
     dram_bytes_per_s: float = 4.8e12  # peak DRAM bandwidth
     dram_latency_s: float = 600e-9  # a load's round trip to DRAM (assumed: no public table)
     launch_overhead_s: float = 1.5e-6  # one more kernel in a CUDA graph (assumed: no published figure)
+    # one more kernel launched as a programmatic dependent of the one before (its launch overlaps
+    # that kernel's last CTAs; what is left is the wait for that grid's end): assumed, no published figure
+    dependent_launch_overhead_s: float = 0.5e-6
     clock_hz: float = 1.98e9  # SM clock under load
     mma_flops_per_clk: float = 0.64 * 4096  # mma.sync 16-bit -> fp32 peak of one SM per clock
     l2_over_dram: float = 2.0  # L2 bandwidth / DRAM bandwidth (assumed: no public figure)
@@ -149,7 +152,8 @@ def _device_limits(device_index: int, sms: int) -> DeviceLimits:
         max_ctas_per_sm=_MAX_CTAS_PER_SM.get((props.major, props.minor), 32),
         max_smem_per_cta=getattr(props, "shared_memory_per_block_optin", 0) or base.max_smem_per_cta,
         dram_bytes_per_s=base.dram_bytes_per_s, dram_latency_s=base.dram_latency_s,
-        launch_overhead_s=base.launch_overhead_s, mma_flops_per_clk=base.mma_flops_per_clk,
+        launch_overhead_s=base.launch_overhead_s, dependent_launch_overhead_s=base.dependent_launch_overhead_s,
+        mma_flops_per_clk=base.mma_flops_per_clk,
         l2_over_dram=base.l2_over_dram,
         clock_hz=(getattr(props, "clock_rate", 0) or base.clock_hz / 1e3) * 1e3,  # kHz
     )
@@ -158,11 +162,14 @@ def _device_limits(device_index: int, sms: int) -> DeviceLimits:
 # --------------------------------------------------------------------------- kernel resources
 @dataclass(frozen=True)
 class KernelResources:
-    """One CTA's needs: threads, registers per thread (ptxas), shared memory in bytes."""
+    """One CTA's needs: threads, registers per thread (ptxas), shared memory in bytes; and whether
+    the kernel's split merge is launched as its programmatic dependent (the CUDA kernels': the
+    merge's fixed cost is then DeviceLimits.dependent_launch_overhead_s, not a whole launch)."""
 
     threads: int
     regs_per_thread: int
     smem_bytes: int
+    dependent_merge: bool = False
 
 
 def triton_resources(num_warps: int, smem_bytes: int, regs_per_thread: int = 255) -> KernelResources:
@@ -347,7 +354,7 @@ def split_cost(limits: DeviceLimits, kernel: KernelResources, traffic: SplitTraf
     columns = traffic.head_dim + traffic.v_head_dim
     fixed = issue_per_cta(rows_per_cta, 0, columns)
     return SplitCost(limits.sms, limits.dram_bytes_per_s, limits.l2_bytes_per_s, limits.dram_latency_s,
-                     limits.launch_overhead_s,
+                     limits.dependent_launch_overhead_s if kernel.dependent_merge else limits.launch_overhead_s,
                      limits.tensor_flops_per_s_per_sm, limits.clock_hz, traffic.kv_bytes_per_key,
                      mma_rows * traffic.flops_per_row_key, issue_per_cta(rows_per_cta, 1, columns) - fixed, fixed,
                      kernel.smem_bytes, rows_per_cta * traffic.partial_bytes_per_row,

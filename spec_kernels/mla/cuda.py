@@ -90,4 +90,5 @@ def cuda_mla_resources(block_m: int, kv_fp8: bool = False, limits: Optional[Devi
     c = launch_config(block_m, limits, kv_fp8)
     if c.block_m != block_m:
         c = kernel_config(KERNEL, HEAD_DIM, block_m, kv_fp8)  # raises: no configuration of block_m rows
-    return KernelResources(c.threads, c.regs, c.smem_bytes)
+    # launch() starts the split merge as a programmatic dependent (programmatic_launch.cuh)
+    return KernelResources(c.threads, c.regs, c.smem_bytes, dependent_merge=True)

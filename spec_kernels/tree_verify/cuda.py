@@ -45,7 +45,8 @@ def cuda_tree_verify_resources(head_dim: int, block_m: int = 64, kv_fp8: bool = 
     c = cuda_tree_verify_launch(head_dim, block_m, limits, kv_fp8)
     if c.block_m != block_m:
         c = kernel_config(KERNEL, head_dim, block_m, kv_fp8)  # raises: no configuration of block_m rows
-    return KernelResources(c.threads, c.regs, c.smem_bytes)
+    # launch() starts the split merge as a programmatic dependent (programmatic_launch.cuh)
+    return KernelResources(c.threads, c.regs, c.smem_bytes, dependent_merge=True)
 
 
 def cuda_tree_verify_kernel(head_dim: int, rows: int, kv_fp8: bool = False) -> Callable[[DeviceLimits], KernelResources]:

@@ -231,6 +231,10 @@ MERGE_MUTANTS = {
     "merge_always_packed": (SM, "the 8-byte store also for rows that are not 8-byte aligned",
                             "const bool aligned8 = (reinterpret_cast<uintptr_t>(out_row) & 7) == 0;",
                             "const bool aligned8 = true;"),
+    # the merge is launched as a programmatic dependent: without the wait it reads the partials
+    # before the attention kernel has written them (the glue runs it as a GPU may, from the start)
+    "merge_does_not_wait_for_the_partials": (SM, "the merge reads the partials without griddepcontrol.wait",
+                                             "  grid_dependency_wait();\n", ""),
 }
 
 

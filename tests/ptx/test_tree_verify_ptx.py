@@ -267,3 +267,31 @@ def test_planned_workspace_gives_the_one_call_result():
         tv_cuda.cuda_ops = saved
     assert torch.equal(out, want) and torch.equal(lse, want_lse)
     assert not ws.lse_partial.isnan().all() and any("merge_splits" in launch[0] for launch in ops.launches)
+
+
+@pytest.mark.parametrize("arch", ["sm_120a", "sm_90a"])
+def test_split_merges_wait_for_the_attention_kernel(arch):
+    """Both attention families launch their split merge as a programmatic dependent (the planner's
+    KernelResources.dependent_merge says so): in the shipped PTX every merge kernel's
+    griddepcontrol.wait comes before its first global load, and every attention kernel lets its
+    dependents start (griddepcontrol.launch_dependents)."""
+    import os
+
+    from ptxsim.launch import module_of
+    from tools.ptx_harness.build import cuda_ptx
+    from tools.ptx_harness.cuda_glue import REPO
+
+    assert tv_cuda.cuda_tree_verify_resources(128, 64).dependent_merge
+    for cu, merge, attention in (("tree_verify/tree_verify_attention.cu", "merge_splits_kernel", "tree_verify_kernel"),
+                                 ("mla/mla_tree_verify_attention.cu", "mla_merge_splits_kernel", "mla_tree_verify_kernel")):
+        mod = module_of(cuda_ptx(os.path.join(REPO, "csrc", cu), arch))
+        merges = [e for n, e in mod.entries.items() if merge in n and (merge != "merge_splits_kernel" or "mla" not in n)]
+        kernels = [e for n, e in mod.entries.items() if attention in n]
+        assert merges and kernels, sorted(mod.entries)
+        for e in merges:
+            ops = [i.opcode for i in e.instrs]
+            assert "griddepcontrol.wait" in ops, e.name
+            first_load = next(k for k, op in enumerate(ops) if op.startswith("ld.global"))
+            assert ops.index("griddepcontrol.wait") < first_load, e.name
+        for e in kernels:
+            assert "griddepcontrol.launch_dependents" in [i.opcode for i in e.instrs], e.name

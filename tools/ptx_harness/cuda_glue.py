@@ -3,7 +3,8 @@
 `PtxCudaOps` has the methods of torch.ops.spec_kernels_cuda that the Python bindings call
 (spec_kernels/*/cuda.py, api.py). Each method does what the binding (csrc/<family>/*_binding.cpp) and the kernel file's
 launch() do (fill the parameter struct from the tensors, size grid / block / dynamic shared
-memory the same way) and runs the sm_120a PTX compiled from the checkout's .cu files through
+memory the same way; a merge kernel launched as a programmatic dependent runs together with the
+kernel before it) and runs the sm_120a PTX compiled from the checkout's .cu files through
 tools/ptxsim, then copies the written buffers back into the CPU tensors. Patching
 spec_kernels._ops.cuda_ops to return it runs the real Python binding (launch plan, split buffers)
 on top of the compiled kernels.
@@ -116,11 +117,19 @@ class PtxCudaOps:
         return Machine(mma=self.mma, check_races=self.check_races, arch="sm_120" if "120" in self.arch else "sm_90",
                        latencies=self.latencies, max_smem=device_max_smem(self.arch))
 
-    def _run(self, m, mod, entry, grid, block, args, smem=0):
-        e = mod.entry(entry)
-        stats = m.run(Launch(e, grid, block, pack_params(e, args), smem, name=entry), module=mod)[0]
-        self.launches.append((short_name(entry) if entry.startswith("_Z") else entry, grid, block, smem, stats))
-        return stats
+    def _run(self, m, mod, entry, grid, block, args, smem=0, dependent=None):
+        """Run one launch; dependent: (entry, grid, block, args) of a kernel launched as its
+        programmatic dependent (programmatic_launch.cuh's launch_dependent), run together with it:
+        the dependent starts first and its griddepcontrol.wait holds until this launch exits."""
+        specs = [(entry, grid, block, args, smem)] + ([(*dependent, 0)] if dependent else [])
+        launches = []
+        for i, (name, g, b, a, sm) in enumerate(specs):
+            e = mod.entry(name)
+            launches.append(Launch(e, g, b, pack_params(e, a), sm, name=name, after=(0,) if i else ()))
+        all_stats = m.run(*launches, module=mod)
+        for (name, g, b, _, sm), stats in zip(specs, all_stats):
+            self.launches.append((short_name(name) if name.startswith("_Z") else name, g, b, sm, stats))
+        return all_stats[0]
 
     # ------------------------------------------------------------------ tree verify attention
     def tree_verify_attention(self, q, k_cache, v_cache, kv_indptr, kv_indices, qo_indptr, tree_mask, out, lse,
@@ -161,11 +170,11 @@ class PtxCudaOps:
         # block) x splits
         shape = _ops.tree_verify_launch_config(D, max_rows, *device_smem(self.arch), fp8)
         m_blocks = -(-max_rows // shape.block_m)
+        merge = (entry_of(mod, "merge_splits_kernel", tname), (T * Hq,),
+                 (_ops.compiled_constants()["kTreeVerifyMergeThreads"],), [raw])
         self._run(m, mod, entry_of(mod, "tree_verify_kernel", tname, shape.template_args),
-                  (B * Hkv * m_blocks, num_splits), (shape.threads,), [raw], shape.smem_bytes)
-        if num_splits > 1:
-            self._run(m, mod, entry_of(mod, "merge_splits_kernel", tname), (T * Hq,),
-                      (_ops.compiled_constants()["kTreeVerifyMergeThreads"],), [raw])
+                  (B * Hkv * m_blocks, num_splits), (shape.threads,), [raw], shape.smem_bytes,
+                  dependent=merge if num_splits > 1 else None)
         buf.copy_back()
 
     # ------------------------------------------------------------------ tree mask
@@ -219,11 +228,11 @@ class PtxCudaOps:
         # (request, row block) x splits
         shape = _ops.mla_launch_config(max_rows, *device_smem(self.arch), fp8)
         m_blocks = -(-max_rows // shape.block_m)
+        merge = (entry_of(mod, "mla_merge_splits_kernel", tname), (T * H,),
+                 (_ops.compiled_constants()["kMlaMergeThreads"],), [raw])
         self._run(m, mod, entry_of(mod, "mla_tree_verify_kernel", tname, shape.template_args),
-                  (B * m_blocks, num_splits), (shape.threads,), [raw], shape.smem_bytes)
-        if num_splits > 1:
-            self._run(m, mod, entry_of(mod, "mla_merge_splits_kernel", tname), (T * H,),
-                      (_ops.compiled_constants()["kMlaMergeThreads"],), [raw])
+                  (B * m_blocks, num_splits), (shape.threads,), [raw], shape.smem_bytes,
+                  dependent=merge if num_splits > 1 else None)
         buf.copy_back()
 
     # ------------------------------------------------------------------ fused add + RMSNorm

@@ -459,7 +459,7 @@ def predict_ours(sim: Simulator, gpu: Gpu, s: Shape, block_m: int, res, splits: 
     if splits > 1:
         m0, m1 = (sim.merge(gpu.arch, s.n, s.group, k) for k in MERGE_SPLITS)
         mw = fit_linear(MERGE_SPLITS[0], m0, MERGE_SPLITS[1], m1, splits)
-        parts.append(predict(gpu, mw, s.B * s.n * s.hq, MERGE_RESIDENT, ideal_bytes=0.0))
+        parts.append(predict(gpu, mw, s.B * s.n * s.hq, MERGE_RESIDENT, ideal_bytes=0.0, dependent=True))
     total = combine(parts, ideal_bytes=s.ideal_bytes(), gpu=gpu, ideal_flops=s.ideal_flops())
     return total, parts, cfg, ctas
 
@@ -521,7 +521,7 @@ def predict_mla(sim: Simulator, gpu: Gpu, s: MlaShape, res, splits: int) -> tupl
     if splits > 1:
         m0, m1 = (sim.mla_merge(gpu.arch, s.n, s.heads, k) for k in MERGE_SPLITS)
         parts.append(predict(gpu, fit_linear(MERGE_SPLITS[0], m0, MERGE_SPLITS[1], m1, splits), s.B * s.rows,
-                             MERGE_RESIDENT, ideal_bytes=0.0))
+                             MERGE_RESIDENT, ideal_bytes=0.0, dependent=True))
     total = combine(parts, ideal_bytes=s.ideal_bytes(), gpu=gpu, ideal_flops=s.ideal_flops())
     return total, parts, cfg, ctas
 

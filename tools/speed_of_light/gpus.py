@@ -33,6 +33,7 @@ class Gpu:
     dram_latency_s: float
     launch_overhead_s: float
     sources: Mapping[str, str]
+    dependent_launch_overhead_s: float = 0.5e-6  # a kernel launched as a programmatic dependent
     shared_wavefronts_per_clk: float = 1.0
     issue_per_clk_per_scheduler: float = 1.0
     schedulers: int = 4
@@ -58,6 +59,9 @@ _LAT = ("assumed: no public DRAM latency table could be read; ~480 clk global / 
         "order of magnitude microbenchmark papers report for A100 and H800 (Luo et al., arXiv 2402.13499)")
 _LAUNCH = ("assumed: back-to-back kernels in a CUDA graph start about 1-2 us apart; no published "
            "microbenchmark of it was found")
+_PDL = ("assumed: a kernel launched as a programmatic dependent is scheduled while the kernel before it "
+        "drains; left is the wait for that grid's end and memory flush, taken as a third of a launch; "
+        "no published figure was found (scripts/gpu_check.sh measures the merge with and without it)")
 _L2 = "assumed: 2x the DRAM peak (no public L2 bandwidth table could be read); the reports name it when it binds"
 
 # Cycles from an instruction's issue until a dependent instruction can read its result, by the
@@ -79,7 +83,8 @@ def _planner(key: str) -> dict:
     return dict(sms=d.sms, clock_hz=d.clock_hz, dram_peak_bytes_per_s=d.dram_bytes_per_s,
                 l2_bytes_per_s=d.l2_bytes_per_s,
                 mma_flops_per_clk={"bf16": d.mma_flops_per_clk, "f16": d.mma_flops_per_clk},
-                dram_latency_s=d.dram_latency_s, launch_overhead_s=d.launch_overhead_s)
+                dram_latency_s=d.dram_latency_s, launch_overhead_s=d.launch_overhead_s,
+                dependent_launch_overhead_s=d.dependent_launch_overhead_s)
 
 
 GPUS: dict[str, Gpu] = {
@@ -97,7 +102,8 @@ GPUS: dict[str, Gpu] = {
                                  "cited in waynehacking8/blackwell-tensorcore-kernels results/mma_ablation.md; "
                                  "peak 989 TFLOPS dense BF16 (H100/H200 datasheets) = 4096 FLOP/clk/SM",
             "shared_wavefronts_per_clk": _SHARED,
-            "dram_latency_s": _LAT, "launch_overhead_s": _LAUNCH, "latency_cycles": _LATENCY,
+            "dram_latency_s": _LAT, "launch_overhead_s": _LAUNCH, "dependent_launch_overhead_s": _PDL,
+            "latency_cycles": _LATENCY,
         }),
     "rtx-pro-6000": Gpu(
         "rtx-pro-6000", "NVIDIA RTX PRO 6000 Blackwell (sm_120)", "sm_120a", **_planner("rtx-pro-6000"),
@@ -110,7 +116,8 @@ GPUS: dict[str, Gpu] = {
                                  "(waynehacking8/blackwell-tensorcore-kernels results/mma_rate_probe.csv): "
                                  "FP32 accumulate at full rate",
             "shared_wavefronts_per_clk": _SHARED,
-            "dram_latency_s": _LAT, "launch_overhead_s": _LAUNCH, "latency_cycles": _LATENCY,
+            "dram_latency_s": _LAT, "launch_overhead_s": _LAUNCH, "dependent_launch_overhead_s": _PDL,
+            "latency_cycles": _LATENCY,
         }),
     # calibration only (calibration.py): GPUs that published figures were measured on
     "a100": Gpu(
@@ -125,7 +132,8 @@ GPUS: dict[str, Gpu] = {
             "l2_bytes_per_s": _L2,
             "mma_flops_per_clk": "derived: 312 TFLOPS dense FP16/BF16 (A100 datasheet) / (108 SMs x 1.41 GHz)",
             "shared_wavefronts_per_clk": _SHARED,
-            "dram_latency_s": _LAT, "launch_overhead_s": _LAUNCH, "latency_cycles": _LATENCY,
+            "dram_latency_s": _LAT, "launch_overhead_s": _LAUNCH, "dependent_launch_overhead_s": _PDL,
+            "latency_cycles": _LATENCY,
         }),
 }
 

@@ -11,7 +11,7 @@ slowest of these is the bottleneck (with the interpreter's per-warp latency cloc
 latency" unit: the busiest warp's dependent-latency critical path, once per round of the CTAs an
 SM holds together, whose warps share its schedulers and hide each other's waits); the launch adds one pipeline fill (its chain of dependent
 global loads, each a DRAM latency: later waves overlap the earlier ones' tails) and the launch
-overhead.
+overhead (less for a programmatic dependent, whose launch overlaps the kernel before it).
 
 The roofline floor of the same launch is its ideal bytes at peak DRAM bandwidth or its useful
 FLOPs at the tensor peak, whichever is longer; `Prediction.of_floor` is floor / predicted.
@@ -92,11 +92,14 @@ class Prediction:
 
 
 def predict(gpu: Gpu, work: Work, ctas: int, resident: int, *, ideal_bytes: float, ideal_flops: float = 0.0,
-            flops_dtype: str = "bf16", launches: int = 1, launch_dram_bytes: Optional[float] = None) -> Prediction:
+            flops_dtype: str = "bf16", launches: int = 1, launch_dram_bytes: Optional[float] = None,
+            dependent: bool = False) -> Prediction:
     """Predicted time of `ctas` CTAs of `work` each, `resident` per SM, on `gpu`; the floor from
     `ideal_bytes` (what the op must move once) and `ideal_flops` (its useful tensor FLOPs).
     launch_dram_bytes: the launch's distinct DRAM bytes where its CTAs read the same inputs (their
-    L2 hits); by default every CTA's distinct bytes are its own (ctas x work.dram_bytes)."""
+    L2 hits); by default every CTA's distinct bytes are its own (ctas x work.dram_bytes).
+    dependent: the launch is a programmatic dependent of the one before (its fixed cost is
+    gpu.dependent_launch_overhead_s, not a launch's)."""
     if ctas < 1 or resident < 1:
         raise ValueError(f"ctas ({ctas}) and resident ({resident}) must be >= 1")
     clk = gpu.clock_hz
@@ -119,8 +122,9 @@ def predict(gpu: Gpu, work: Work, ctas: int, resident: int, *, ideal_bytes: floa
         units["latency"] = per_sm * work.dram_bytes * share / (concurrent * per_cta_rate)
     bottleneck = max(units, key=units.get)
     fill = work.load_chain * gpu.dram_latency_s  # the first tile's dependent loads; later waves overlap
-    seconds = units[bottleneck] + fill + launches * gpu.launch_overhead_s
-    in_order = max(units[bottleneck], rounds * work.warp_cycles_in_order / clk) + fill + launches * gpu.launch_overhead_s
+    overhead = launches * (gpu.dependent_launch_overhead_s if dependent else gpu.launch_overhead_s)
+    seconds = units[bottleneck] + fill + overhead
+    in_order = max(units[bottleneck], rounds * work.warp_cycles_in_order / clk) + fill + overhead
     floor = {"DRAM": ideal_bytes / gpu.dram_peak_bytes_per_s,
              "tensor": ideal_flops / (gpu.tensor_flops_per_clk(flops_dtype) * gpu.sms * clk) if ideal_flops else 0.0}
     floor_unit = max(floor, key=floor.get)

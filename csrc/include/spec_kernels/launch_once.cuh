@@ -5,6 +5,8 @@
 #include <cuda_runtime.h>
 
 #include <atomic>
+#include <cstdlib>
+#include <cstring>
 
 namespace spec_kernels {
 
@@ -31,6 +33,17 @@ cudaError_t opt_in_dynamic_smem_once(int device) {
 inline std::atomic<int>& launch_smem_limit() {
   static std::atomic<int> limit{0};
   return limit;
+}
+
+// Whether the attention kernels' split merges are launched as programmatic dependents
+// (programmatic_launch.cuh): on unless the environment sets SPEC_KERNELS_PDL=0; the extension's
+// op set_programmatic_launch changes it. Process-wide.
+inline std::atomic<bool>& programmatic_launch_enabled() {
+  static std::atomic<bool> enabled{[] {
+    const char* v = std::getenv("SPEC_KERNELS_PDL");
+    return v == nullptr || std::strcmp(v, "0") != 0;
+  }()};
+  return enabled;
 }
 
 // The shared memory per SM the launch rule sees: the device's, capped by launch_smem_limit().

@@ -10,6 +10,7 @@
 #include <cstdint>
 
 #include "spec_kernels/mma.cuh"  // from_float<T>
+#include "spec_kernels/programmatic_launch.cuh"
 
 namespace spec_kernels {
 
@@ -55,10 +56,12 @@ __device__ __forceinline__ void store4(T* dst, bool aligned8, float a, float b, 
 // split's weight once per step. o_partial: fp32 [splits, num_rows, dim], 16-byte aligned, dim a
 // multiple of kMergeVec (every head dim of the kernels); lse_partial: fp32 [splits, num_rows]
 // (base 2); idx = token * heads + head; out_row: the row's output; lse: fp32 [num_rows] in
-// natural log, or nullptr when not wanted.
+// natural log, or nullptr when not wanted. The merge kernels run as programmatic dependents of the
+// attention kernel (launch_dependent): nothing is read before that kernel has completed.
 template <typename T>
 __device__ void merge_split_row(const float* o_partial, const float* lse_partial, int num_splits, int64_t num_rows,
                                 int64_t idx, int dim, T* out_row, float* lse) {
+  grid_dependency_wait();
   float mx = -INFINITY;
   for (int s = 0; s < num_splits; ++s) mx = fmaxf(mx, lse_partial[s * num_rows + idx]);
   const float m_safe = mx == -INFINITY ? 0.f : mx;

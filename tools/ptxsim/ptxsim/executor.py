@@ -242,6 +242,10 @@ class Launch:
     dynamic_smem: int = 0
     name: str = ""
     gpu: int = 0
+    # programmatic dependent launch: indexes, among the launches run together, of the grids this
+    # one depends on. Its CTAs start with them (the earliest a GPU may schedule them) and each
+    # griddepcontrol.wait holds until those grids have exited; with none, the wait returns at once.
+    after: tuple = ()
 
 
 class _Run:
@@ -326,6 +330,7 @@ class _Run:
         g = Group(self, t.copy(), [Frame(0, EXIT, np.ones(self.N, bool))])
         self.groups = [g]
         self.done = False
+        self.prerequisites = []       # the runs this one's griddepcontrol.wait waits for (Launch.after)
 
     # registers ---------------------------------------------------------------------------------
     def reg(self, name):
@@ -403,6 +408,11 @@ class Machine:
         gc.disable()
         try:
             runs = [_Run(self, spec, self._module_vars) for spec in launches]
+            for i, spec in enumerate(launches):
+                if any(not 0 <= j < len(launches) or j == i for j in spec.after):
+                    raise SimError(f"launch {i}: after={spec.after} must name other launches of the same run")
+            for r in runs:
+                r.prerequisites = [runs[j] for j in r.spec.after]
             before = dict(self.mem.region_read)
             self._schedule(runs)
         finally:
@@ -426,12 +436,16 @@ class Machine:
                 return
             for r in runs:
                 self._release_barriers(r)
+                self._release_grid_dependency(r)
                 self._merge(r)
             runnable = [g for r in runs for g in r.groups if g.state == "run"]
             if not runnable:
                 raise Deadlock("deadlock: every thread waits at a barrier that cannot complete\n" +
                                self._report(runs))
-            g = min(runnable, key=lambda g: (g.penalty, g.stack[-1].pc))
+            # a programmatic dependent's groups first: what it does before its griddepcontrol.wait
+            # then happens before any instruction of the grids it depends on (the earliest a GPU
+            # may run it), so a read that belongs after the wait sees their memory as it was
+            g = min(runnable, key=lambda g: (g.penalty, not g.launch.prerequisites, g.stack[-1].pc))
             n = self._run_group(g)
             total += n
             if self.mem.stores != last_store:
@@ -478,6 +492,16 @@ class Machine:
             ng.penalty = min(g.penalty for g in gs)
             out.append(ng)
         r.groups = out
+
+    @staticmethod
+    def _release_grid_dependency(r):
+        """griddepcontrol.wait returns once every prerequisite grid has exited (its memory is the
+        machine's at once: stores are not buffered)."""
+        if any(p.groups for p in r.prerequisites):
+            return
+        for g in r.groups:
+            if g.state == "gdwait":
+                g.state = "run"
 
     def _release_barriers(self, r):
         waiting = [g for g in r.groups if g.state == "bar"]
@@ -624,7 +648,8 @@ class Machine:
             if g.stack and g.stack[-1].pc in leaders:
                 return count
 
-    _NO_DEST = ("st", "red", "cp", "bar", "barrier", "fence", "membar", "bra", "ret", "exit", "prefetch", "trap")
+    _NO_DEST = ("st", "red", "cp", "bar", "barrier", "fence", "membar", "bra", "ret", "exit", "prefetch", "trap",
+                "griddepcontrol")
 
     def _tick(self, r, pc, ins, klass, warps):
         """Advance the clocks of `warps` over one instruction: it starts when its last source

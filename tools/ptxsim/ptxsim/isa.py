@@ -11,12 +11,13 @@ from .memory import SimError
 
 # forms the decoder accepts syntactically but whose semantics are only partly modelled
 _NOT_MODELLED_PREFIXES = ("wgmma", "tcgen05", "mbarrier", "cp.async.bulk", "cp.reduce", "tensormap",
-                          "fence.proxy", "setmaxnreg", "elect", "griddepcontrol", "bar.arrive", "brx")
+                          "fence.proxy", "setmaxnreg", "elect", "bar.arrive", "brx")
 
 _BASE_OK = {"mov", "add", "sub", "mul", "mad", "fma", "div", "rem", "and", "or", "xor", "not", "shl", "shr",
             "shf", "bfe", "bfi", "prmt", "popc", "clz", "brev", "neg", "abs", "min", "max", "setp", "selp", "cvt", "cvta", "ex2",
             "rsqrt", "rcp", "sqrt", "lg2", "ld", "st", "atom", "red", "membar", "fence", "shfl", "redux", "vote",
-            "ldmatrix", "stmatrix", "mma", "cp", "bra", "ret", "exit", "trap", "bar", "barrier", "nanosleep"}
+            "ldmatrix", "stmatrix", "mma", "cp", "bra", "ret", "exit", "trap", "bar", "barrier", "nanosleep",
+            "griddepcontrol"}
 
 
 def _check(form: str):
@@ -30,6 +31,8 @@ def _check(form: str):
                 or parts[7] not in ("bf16", "f16") or parts[7] != parts[8]:
             return "only mma.sync m16n8k16 row.col f32 += {bf16,f16} is modelled"
         return None
+    if base == "griddepcontrol":
+        return None if form in ("griddepcontrol.wait", "griddepcontrol.launch_dependents") else "not a griddepcontrol form"
     if base == "cp":
         if parts[1] != "async":
             return "not modelled"

@@ -1508,6 +1508,24 @@ def h_nanosleep(c, parts, ops, pc):
     return ("ctl", f)
 
 
+def h_griddepcontrol(c, parts, ops, pc):
+    """griddepcontrol.wait: the group waits (state "gdwait") until the launch's prerequisite grids
+    have exited (Launch.after); launch_dependents: nothing to do, the dependents start with it."""
+    sub = parts[1] if len(parts) > 1 else ""
+    if sub not in ("wait", "launch_dependents") or ops:
+        raise SimError(f"{'.'.join(parts)} is not a griddepcontrol form")
+
+    def f(g, fr, sel, tids, gv, pc_):
+        if gv is not None and not gv.all():
+            raise SimError(f"griddepcontrol.{sub} under a guard that is false for some threads")
+        fr.pc = pc + 1
+        if sub == "wait" and g.launch.prerequisites:
+            g.state = "gdwait"
+            return "yield"
+        return None
+    return ("ctl", f)
+
+
 def h_exit(c, parts, ops, pc):
     return h_ret(c, parts, ops, pc)
 
@@ -1526,5 +1544,5 @@ _HANDLERS = {
     "ld": h_ld, "st": h_st, "atom": h_atom, "red": h_red, "membar": h_fence, "fence": h_fence,
     "shfl": h_shfl, "redux": h_redux, "vote": h_vote, "ldmatrix": h_ldmatrix, "stmatrix": h_stmatrix,
     "mma": h_mma, "cp": h_cp, "bra": h_bra, "ret": h_ret, "exit": h_exit, "trap": h_trap,
-    "bar": h_bar, "barrier": h_bar, "nanosleep": h_nanosleep,
+    "bar": h_bar, "barrier": h_bar, "nanosleep": h_nanosleep, "griddepcontrol": h_griddepcontrol,
 }

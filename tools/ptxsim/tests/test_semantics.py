@@ -252,3 +252,48 @@ def test_fp8_pairs_convert_to_halves_exactly(ptx):
         np.testing.assert_array_equal(np.signbit(got_halves[~nan]), np.signbit(want[~nan]))
         if dt == torch.float8_e5m2:
             assert np.isinf(got_halves).sum() == 2 * 2 * 256
+
+
+def _pdl_launches(ptx, m, n, after):
+    from ptxsim.executor import Launch
+    from ptxsim.launch import module_of, pack_params
+
+    mod = module_of(ptx)
+    prod, cons = mod.entry("pdl_producer"), mod.entry("pdl_consumer")
+    buf, before, after_buf = m.alloc(4 * n), m.alloc(4 * n), m.alloc(4 * n)
+    grid = (-(-n // 64),)
+    launches = [Launch(prod, grid, (64,), pack_params(prod, [buf, n])),
+                Launch(cons, grid, (64,), pack_params(cons, [buf, before, after_buf, n]), after=after)]
+    return mod, launches, before, after_buf
+
+
+def test_griddepcontrol_wait_holds_a_dependent_until_its_prerequisite_exits(ptx):
+    """A consumer launched as the producer's programmatic dependent (Launch.after) runs first: its
+    read before griddepcontrol.wait sees the buffer as it was (zeros), its read after the wait the
+    producer's values."""
+    n = 200
+    m = Machine()
+    mod, launches, before, after = _pdl_launches(ptx, m, n, after=(0,))
+    m.run(*launches, module=mod)
+    np.testing.assert_array_equal(m.download(before, np.int32, (n,)), np.zeros(n, np.int32))
+    np.testing.assert_array_equal(m.download(after, np.int32, (n,)), np.arange(1, n + 1, dtype=np.int32))
+
+
+def test_griddepcontrol_without_prerequisites_returns_at_once(ptx):
+    """Launched one after the other (no Launch.after), the wait does not wait and
+    launch_dependents does nothing: both reads see the producer's values."""
+    n = 70
+    m = Machine()
+    mod, launches, before, after = _pdl_launches(ptx, m, n, after=())
+    m.run(launches[0], module=mod)
+    m.run(launches[1], module=mod)
+    want = np.arange(1, n + 1, dtype=np.int32)
+    np.testing.assert_array_equal(m.download(before, np.int32, (n,)), want)
+    np.testing.assert_array_equal(m.download(after, np.int32, (n,)), want)
+
+
+def test_launch_after_must_name_another_launch_of_the_run(ptx):
+    m = Machine()
+    mod, launches, _, _ = _pdl_launches(ptx, m, 8, after=(1,))
+    with pytest.raises(SimError, match="after"):
+        m.run(*launches, module=mod)

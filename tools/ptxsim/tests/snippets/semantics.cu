@@ -161,3 +161,18 @@ extern "C" __global__ void fp8x2_to_half2(uint32_t* e4m3_out, uint32_t* e5m2_out
   e4m3_out[i] = a;
   e5m2_out[i] = b;
 }
+
+// Programmatic dependent launch: a producer grid and a consumer that reads the producer's output
+// before and after griddepcontrol.wait.
+extern "C" __global__ void pdl_producer(int* buf, int n) {
+  const int i = blockIdx.x * blockDim.x + threadIdx.x;
+  asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+  if (i < n) buf[i] = i + 1;
+}
+
+extern "C" __global__ void pdl_consumer(const int* buf, int* before, int* after, int n) {
+  const int i = blockIdx.x * blockDim.x + threadIdx.x;
+  if (i < n) before[i] = *(volatile const int*)(buf + i);
+  asm volatile("griddepcontrol.wait;" ::: "memory");
+  if (i < n) after[i] = *(volatile const int*)(buf + i);
+}
