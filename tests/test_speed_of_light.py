@@ -78,6 +78,8 @@ def test_combined_launches_add_and_keep_one_floor():
 def test_every_rate_names_its_source(key):
     g = GPUS[key]
     for field in ("sms", "clock_hz", "dram_peak_bytes_per_s", "l2_bytes_per_s", "mma_flops_per_clk",
-                  "shared_wavefronts_per_clk", "dram_latency_s", "launch_overhead_s", "latency_cycles"):
+                  "shared_wavefronts_per_clk", "dram_latency_s", "launch_overhead_s", "dependent_launch_overhead_s",
+                  "latency_cycles"):
         assert g.sources.get(field), f"{key}.{field} has no source"
-    assert set(g.assumed) <= {"l2_bytes_per_s", "dram_latency_s", "launch_overhead_s", "latency_cycles"}
+    assert set(g.assumed) <= {"l2_bytes_per_s", "dram_latency_s", "launch_overhead_s", "dependent_launch_overhead_s",
+                              "latency_cycles"}
