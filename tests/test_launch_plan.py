@@ -1,6 +1,7 @@
 """The KV-split planner (spec_kernels/attention/plan.py): occupancy arithmetic, wave efficiency of
 the benchmark shapes on the named GPUs, the split bounds, the row bounds, the CLI
 (spec_kernels/bench/plan.py), and the launchers' automatic path (MIN_CHUNK) against the reference."""
+import dataclasses
 import os
 import subprocess
 import sys
@@ -257,6 +258,28 @@ def test_named_device_limits_without_a_gpu(monkeypatch):
     splits = ap.num_kv_splits(fake, 1, 1, 8, 64, tv_cuda.cuda_tree_verify_resources(128), 2047)
     assert splits == 2047 // ap.MIN_SPLIT_KEYS  # one CTA: as many splits as the keys allow
     assert ap.num_kv_splits(fake, 1, 1, 8, 64, lambda limits: tv_cuda.cuda_tree_verify_resources(128), None) >= 62
+
+
+@pytest.mark.parametrize("major,named", [(9, "h200"), (12, "rtx-pro-6000")])
+def test_device_limits_take_what_torch_reports_and_the_rest_from_the_named_gpu(monkeypatch, major, named):
+    """A GPU's limits: the counts torch reports, every rate it does not report from the named GPU
+    of the same architecture (so a rate added to DeviceLimits needs no second copy here)."""
+    props = type("Props", (), {"name": "Some GPU", "major": major, "minor": 0, "regs_per_multiprocessor": 1234,
+                               "shared_memory_per_multiprocessor": 5678, "max_threads_per_multi_processor": 1536,
+                               "shared_memory_per_block_optin": 4321, "clock_rate": 1_500_000})()
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda index: props)
+    ap._device_limits.cache_clear()
+    try:
+        got = ap._device_limits(0, 77)
+    finally:
+        ap._device_limits.cache_clear()
+    reported = dict(name="Some GPU", sms=77, regs_per_sm=1234, smem_per_sm=5678, max_threads_per_sm=1536,
+                    max_smem_per_cta=4321, clock_hz=1.5e9)
+    for field in dataclasses.fields(ap.DeviceLimits):
+        want = reported.get(field.name, getattr(ap.DEVICES[named], field.name))
+        if field.name != "max_ctas_per_sm":
+            assert getattr(got, field.name) == want, field.name
 
 
 # --------------------------------------------------------------------------- rows

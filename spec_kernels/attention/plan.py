@@ -47,6 +47,7 @@ kernels still keep MIN_SPLIT_KEYS per split, so extra splits stay empty and chea
 from __future__ import annotations
 
 import functools
+import dataclasses
 from dataclasses import dataclass
 from typing import Callable, Optional, Union
 
@@ -143,7 +144,10 @@ def _device_limits(device_index: int, sms: int) -> DeviceLimits:
         return DeviceLimits("CUDA device", sms=sms)
     props = torch.cuda.get_device_properties(device_index)
     base = DEVICES["rtx-pro-6000"] if props.major == 12 else DEVICES["h200"]
-    return DeviceLimits(
+    # what torch reports of this device; the rates it does not report (DRAM, launch, tensor
+    # throughput) stay those of the named GPU of the same architecture
+    return dataclasses.replace(
+        base,
         name=props.name,
         sms=sms,
         regs_per_sm=getattr(props, "regs_per_multiprocessor", 0) or base.regs_per_sm,
@@ -151,10 +155,6 @@ def _device_limits(device_index: int, sms: int) -> DeviceLimits:
         max_threads_per_sm=getattr(props, "max_threads_per_multi_processor", 0) or base.max_threads_per_sm,
         max_ctas_per_sm=_MAX_CTAS_PER_SM.get((props.major, props.minor), 32),
         max_smem_per_cta=getattr(props, "shared_memory_per_block_optin", 0) or base.max_smem_per_cta,
-        dram_bytes_per_s=base.dram_bytes_per_s, dram_latency_s=base.dram_latency_s,
-        launch_overhead_s=base.launch_overhead_s, dependent_launch_overhead_s=base.dependent_launch_overhead_s,
-        mma_flops_per_clk=base.mma_flops_per_clk,
-        l2_over_dram=base.l2_over_dram,
         clock_hz=(getattr(props, "clock_rate", 0) or base.clock_hz / 1e3) * 1e3,  # kHz
     )
 
