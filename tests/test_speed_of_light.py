@@ -83,3 +83,38 @@ def test_every_rate_names_its_source(key):
         assert g.sources.get(field), f"{key}.{field} has no source"
     assert set(g.assumed) <= {"l2_bytes_per_s", "dram_latency_s", "launch_overhead_s", "dependent_launch_overhead_s",
                               "latency_cycles"}
+
+
+def test_the_docs_b1_bound_table_is_the_reports():
+    """docs/speed_of_light.md's B = 1 table (the floors, the one-launch bound floor / (floor +
+    launch overhead), the CUDA kernel's fraction of the floor) is read from the committed report."""
+    import json
+    import re
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    report = json.loads((root / "benchmarks/results/model/tree_verify_sol.json").read_text())
+    doc = (root / "docs/speed_of_light.md").read_text()
+    head = "| GPU | L | GQA | floor | one-launch bound | CUDA kernel, decode .. verify n = 16 |"
+    assert head in doc
+    rows = [r.strip() for r in doc.split(head, 1)[1].split("\n")[2:]]  # the table sits in a list item
+    names = {"h200": "H200", "rtx-pro-6000": "RTX PRO 6000"}
+    span = lambda lo, hi, f: f"{lo:{f}}" if f"{lo:{f}}" == f"{hi:{f}}" else f"{lo:{f}}-{hi:{f}}"  # noqa: E731
+    want = []
+    for gpu, name in names.items():
+        launch = GPUS[gpu].launch_overhead_s
+        for L in (4096, 32768):
+            for hkv, gqa in ((4, 8), (8, 4)):
+                got = {}
+                for b in report["benchmarks"]:
+                    m = re.fullmatch(rf"sol::tree_verify_cuda\[{gpu}-(decode|verify\d+)_B1_L{L}_h32x{hkv}_d128\]", b["name"])
+                    if m:
+                        t, of = b["stats"]["mean"], b["extra_info"]["of_floor"]
+                        got[m.group(1)] = (of * t, of)
+                assert set(got) == {"decode", "verify4", "verify8", "verify16"}, (gpu, L, hkv)
+                floors = [f for f, _ in got.values()]
+                bounds = [f / (f + launch) for f in floors]
+                want.append(f"| {name} | {L} | {gqa} | {span(min(floors) * 1e6, max(floors) * 1e6, '.2f')} µs | "
+                            f"{span(min(bounds), max(bounds), '.2f')} | "
+                            f"{got['decode'][1]:.2f} .. {got['verify16'][1]:.2f} |")
+    assert rows[:len(want)] == want
