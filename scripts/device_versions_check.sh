@@ -29,7 +29,7 @@ PY312=$(find_python312)
 
 # The CUDA libraries torch 2.11.0+cu130 links against (cu13, as the system torch's nvidia-* wheels).
 SYSTEM_SITE=$(python3 -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')
-NV_LIBS=$(ls -d "$SYSTEM_SITE"/nvidia/*/lib 2>/dev/null | tr '\n' ':')
+NV_LIBS=$(ls -d "$SYSTEM_SITE"/nvidia/*/lib 2>/dev/null | tr '\n' ':' || true)  # none: said below
 [[ -n "$NV_LIBS" ]] || { echo "no nvidia-* CUDA wheels under $SYSTEM_SITE (pip install -e . first)" >&2; exit 2; }
 export LD_LIBRARY_PATH="$NV_LIBS${LD_LIBRARY_PATH:-}"
 
