@@ -1,6 +1,9 @@
 """The speed-of-light model (tools/speed_of_light): which unit bounds a launch, its waves, the
 floor, and that every rate names its source."""
+import json
 import math
+import re
+from pathlib import Path
 
 import pytest
 
@@ -88,10 +91,6 @@ def test_every_rate_names_its_source(key):
 def test_the_docs_b1_bound_table_is_the_reports():
     """docs/speed_of_light.md's B = 1 table (the floors, the one-launch bound floor / (floor +
     launch overhead), the CUDA kernel's fraction of the floor) is read from the committed report."""
-    import json
-    import re
-    from pathlib import Path
-
     root = Path(__file__).resolve().parents[1]
     report = json.loads((root / "benchmarks/results/model/tree_verify_sol.json").read_text())
     doc = (root / "docs/speed_of_light.md").read_text()

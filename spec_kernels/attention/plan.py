@@ -46,8 +46,8 @@ kernels still keep MIN_SPLIT_KEYS per split, so extra splits stay empty and chea
 """
 from __future__ import annotations
 
-import functools
 import dataclasses
+import functools
 from dataclasses import dataclass
 from typing import Callable, Optional, Union
 
