@@ -34,6 +34,7 @@ import os
 import sys
 from typing import Optional, Sequence
 
+from tools.ptx_harness import sglang_kernels
 from tools.speed_of_light.gpus import GPUS, LATENCY_CYCLES, Gpu
 from tools.speed_of_light.model import (CALIBRATION_BAND, Prediction, Work, combine, expected_range, fit_linear,
                                         distinct_bytes, fmt_seconds, predict, work_from_stats)
@@ -267,7 +268,7 @@ def _run_triton(target: TritonTarget, body, *key) -> tuple:
 def _sglang_sees(target: TritonTarget):
     """SGLang's extend kernel picks its tile from the CUDA capability it read at import: show it
     the target's (on this CPU machine it would take its pre-Ampere fallback tile)."""
-    _sglang().extend_attention_fwd()  # imported (installed, or the staged sources) before it is shown anything
+    sglang_kernels.loader().extend_attention_fwd()  # imported (installed, or staged) before it is shown anything
     mod = sys.modules["sglang.kernels.ops.attention.extend_attention"]
     saved = {k: getattr(mod, k) for k in ("_is_cuda", "CUDA_CAPABILITY") if hasattr(mod, k)}
     mod._is_cuda, mod.CUDA_CAPABILITY = True, target.capability
@@ -279,21 +280,6 @@ def _sglang_sees(target: TritonTarget):
                 setattr(mod, k, saved[k])
             elif hasattr(mod, k):
                 delattr(mod, k)
-
-
-def _sglang():
-    """The benchmark's loader of SGLang's kernels (installed, or staged sources), loaded by its
-    path: benchmarks/ on sys.path would shadow the tests' modules of the same names."""
-    import importlib.util
-
-    mod = sys.modules.get("_sglang_kernels")
-    if mod is None:
-        spec = importlib.util.spec_from_file_location("_sglang_kernels",
-                                                      os.path.join(REPO, "benchmarks", "_sglang_kernels.py"))
-        mod = importlib.util.module_from_spec(spec)
-        sys.modules["_sglang_kernels"] = mod
-        spec.loader.exec_module(mod)
-    return mod
 
 
 def _tensors(n: int, group: int, prefix: int):
@@ -311,7 +297,7 @@ def _sglang_extend_run(n: int, group: int, prefix: int) -> None:
     n x (L + n) mask, the drafts' K/V contiguous), one request and one KV head."""
     import torch
 
-    extend_attention_fwd = _sglang().extend_attention_fwd()
+    extend_attention_fwd = sglang_kernels.loader().extend_attention_fwd()
     q, k_cache, v_cache, slots = _tensors(n, group, prefix)
     L = prefix + n
     mask = torch.ones(n, L, dtype=torch.bool)
@@ -329,7 +315,7 @@ def _sglang_decode_run(group: int, keys: int, splits: int) -> None:
     here max_kv_splits = splits, so every simulated CTA works."""
     import torch
 
-    decode_attention_fwd = _sglang().decode_attention_fwd()
+    decode_attention_fwd = sglang_kernels.loader().decode_attention_fwd()
     q, k_cache, v_cache, slots = _tensors(1, group, keys - 1)
     logits = torch.empty(1, group, splits, D, dtype=torch.float32)
     lse = torch.empty(1, group, splits, dtype=torch.float32)
@@ -343,7 +329,7 @@ def _sglang_splits_run(batch: int, seq_len: int, hq: int, hkv: int, sms: int) ->
     backend calls it), compiled and run like the kernels."""
     import torch
 
-    get_num_kv_splits_triton = _sglang().num_kv_splits_kernel()
+    get_num_kv_splits_triton = sglang_kernels.loader().num_kv_splits_kernel()
     out = torch.zeros(batch, dtype=torch.int32)
     seq_lens = torch.full((batch,), seq_len, dtype=torch.int32)
     get_num_kv_splits_triton[(1,)](out, seq_lens, batch, 1, hq, hkv, SGLANG_MAX_KV_SPLITS, sms,

@@ -65,7 +65,7 @@ _INDEX_FORMAT = "triton-glue-1"
 def _serve() -> None:
     """The helper process: JSON requests on stdin, one `_MARK`-prefixed JSON answer per line."""
     os.environ.pop("TRITON_INTERPRET", None)
-    from tools.ptx_harness import build
+    from tools.ptx_harness import build, sglang_kernels
     from triton.runtime.jit import MockTensor
 
     rep = build._report_module()
@@ -92,6 +92,8 @@ def _serve() -> None:
         try:
             import importlib
 
+            if req["module"].split(".")[0] == "sglang":  # as the test process has it: installed, or staged
+                sglang_kernels.loader().extend_attention_fwd()
             fn = getattr(importlib.import_module(req["module"]), req["kernel"])
             key = rep._specialisation_key(fn, mock(req["args"]), req["kwargs"], req["arch"])
             # Triton reads DISABLE_MMA_V3 while it lowers dots: Hopper's wgmma off, mma.sync instead

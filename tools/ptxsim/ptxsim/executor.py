@@ -305,6 +305,7 @@ class _Run:
             self.sym_addr[p.name] = ("param", PARAM_BASE + p.offset)
         self.R = {}
         self.defined = {}
+        self.undefined_from = {}      # register -> the read its undefined lanes' value came from
         self.stats = Stats()
         self.stats.per_warp = np.zeros(self.n_cta * self.wpc, np.int64)
         self.stats.warps_per_cta = self.wpc
@@ -350,6 +351,37 @@ class _Run:
         f, line = ins.loc
         path = self.entry.files.get(f, f"file{f}") if isinstance(f, int) else f
         return f"{path}:{line}"
+
+
+# Lane-wise value instructions. Compiled code computes on values it then discards: Triton 3.6's
+# cross-warp reduction loads the partials on the first lanes only, then shuffles and combines all
+# 32 lanes, and stores lane 0's. So these instructions carry undefinedness to their destination;
+# the read that uses an undefined value (a stored value, an address, a guard or branch condition,
+# an atomic, mma or redux operand) is the error. selp has its own rule (ops.h_selp); div and rem
+# stay strict (an undefined divisor would otherwise report a division by zero).
+_PROPAGATES_UNDEFINED = frozenset({
+    "mov", "add", "sub", "mul", "mad", "fma", "and", "or", "xor", "not", "shl", "shr", "shf", "bfe",
+    "bfi", "prmt", "popc", "clz", "brev", "neg", "abs", "min", "max", "setp", "cvt", "ex2", "rsqrt",
+    "rcp", "sqrt", "lg2", "shfl"})
+
+
+class _DefinednessRecorder:
+    """Stands in for the Machine while a lane-wise instruction reads its operands: notes on which
+    lanes every source is defined, and where the first undefined value came from, without raising."""
+
+    def __init__(self, machine):
+        self._machine = machine
+        self.ok, self.origin = None, None
+
+    def __getattr__(self, name):
+        return getattr(self._machine, name)
+
+    def _check_def(self, r, name, sel, ins):
+        d = r.defined.get(name)
+        ok = (d if d is not None else np.zeros(r.N, bool))[sel]
+        if self.origin is None and not ok.all():
+            self.origin = r.undefined_from.get(name) or f"{name}, read at {r.where(ins)} ({ins.text.strip()})"
+        self.ok = ok if self.ok is None else self.ok & ok
 
 
 class Machine:
@@ -705,12 +737,36 @@ class Machine:
         if d is None:
             raise SimError(f"read of register {name} that was never written")
         if not d[sel].all():
-            raise SimError(f"read of register {name} that is not written on every active thread")
+            origin = r.undefined_from.get(name)
+            raise SimError(f"read of register {name} that is not written on every active thread"
+                           + (f" (its value on those threads comes from {origin})" if origin else ""))
+
+    def _decode_propagating(self, r, ins, pc):
+        """A lane-wise instruction whose destination is undefined on the lanes where a source is
+        (for shfl: the source lane's), instead of an error at once."""
+        rec = _DefinednessRecorder(self)
+        kind, fn = ops.decode(rec, r, ins, pc)
+        d = ins.operands[0]
+        dsts = [x.name for x in (d.items if d.kind == "vec" else (d,)) if x.kind == "reg"]
+
+        def propagating(sel, tids):
+            rec.ok, rec.origin = None, None
+            fn(sel, tids)
+            if rec.ok is not None and not rec.ok.all():
+                for x in dsts:
+                    r.reg(x)
+                    r.defined[x][tids] = rec.ok
+                    r.undefined_from[x] = rec.origin
+        return kind, propagating
 
     # decoding ---------------------------------------------------------------------------------
     def decode(self, r, ins: Instr, pc):
-        kind, fn = ops.decode(self, r, ins, pc)
-        if kind != "op" or ins.opcode.split(".")[0] in ("ld", "cp", "atom", "st", "red"):
+        base = ins.opcode.split(".")[0]
+        if base in _PROPAGATES_UNDEFINED:
+            kind, fn = self._decode_propagating(r, ins, pc)
+        else:
+            kind, fn = ops.decode(self, r, ins, pc)
+        if kind != "op" or base in ("ld", "cp", "atom", "st", "red"):
             return kind, fn
         # dependent-load depth flows through arithmetic: dst depth = max(source depths)
         srcs, dsts = [], []
