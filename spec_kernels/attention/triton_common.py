@@ -33,7 +33,9 @@ def finite_or_nan(x):
 def fp8_bits_to_float(bits, E5M2: tl.constexpr):
     """fp32 values of fp8 bit patterns held as uint8 (e4m3fn, or e5m2 with E5M2): how the kernels
     read an fp8 cache under the interpreter, whose own fp8 conversion turns NaN codes into
-    numbers. On a GPU the kernels convert with the hardware instead (exactly the same values)."""
+    numbers. On a GPU the kernels convert with the hardware instead (exactly the same values).
+    The sign is set as a bit: Triton 3.6 compiles a float's unary minus as 0 - x, which makes
+    the code 0x80 +0.0 instead of -0.0."""
     b = bits.to(tl.int32)
     if E5M2:
         e = (b >> 2) & 0x1F
@@ -45,7 +47,8 @@ def fp8_bits_to_float(bits, E5M2: tl.constexpr):
         m = (b & 7).to(tl.float32) * 0.125
         v = tl.where(e == 0, m * 0.015625, (1.0 + m) * tl.math.exp2((e - 7).to(tl.float32)))
         v = tl.where((e == 15) & ((b & 7) == 7), float("nan"), v)
-    return tl.where((b & 0x80) != 0, -v, v)
+    sign = (b & 0x80).to(tl.uint32) << 24
+    return (v.to(tl.uint32, bitcast=True) | sign).to(tl.float32, bitcast=True)
 
 
 def fp8_cache_view(cache: torch.Tensor, interpreting: bool) -> torch.Tensor:
