@@ -40,8 +40,10 @@ if [[ ! -x "$VENV/bin/python" ]]; then
   echo "(pip's complaints that torch's CUDA wheels are missing are expected: LD_LIBRARY_PATH has them)"
   "$VENV/bin/python" -m pip install -q filelock typing-extensions sympy networkx jinja2 fsspec \
     "setuptools<82" ninja triton==3.6.0 "numpy>=2.5" pytest pytest-benchmark pytest-xdist \
-    hypothesis matplotlib
+    hypothesis matplotlib tqdm
 fi
+# Packages the GPU machine's image has that an older venv of this script may lack.
+"$VENV/bin/python" -c "import tqdm" 2> /dev/null || "$VENV/bin/python" -m pip install -q tqdm
 "$VENV/bin/python" -c 'import numpy, torch, triton, sys
 print("== python", sys.version.split()[0], "torch", torch.__version__, "triton", triton.__version__,
       "numpy", numpy.__version__)'

@@ -2,6 +2,7 @@
 collected tests and covers every op family and every CUDA kernel, plain `pytest` still selects
 everything (quick is a marker), and the README's "Tiers and durations" table gives the counts the
 suite has now: tests per tier, GPU-only tests, mutants."""
+import importlib.util
 import os
 import re
 import subprocess
@@ -33,6 +34,12 @@ def _collect() -> dict[str, set[str]]:
     return marks
 
 
+# Without SGLang its test modules skip at import and are not collected, so the collection is not
+# the one the README counts (the GPU server has no SGLang; CI installs it).
+needs_the_whole_suite = pytest.mark.skipif(importlib.util.find_spec("sglang") is None,
+                                           reason="SGLang is not installed: its test modules are not collected")
+
+
 @pytest.fixture(scope="module")
 def collected():
     marks = _collect()
@@ -51,6 +58,7 @@ def mutant_count(nodeids) -> int:
     return sum(bool(re.match(r"tests/ptx/test_mutants_\w+\.py::test_(host_)?mutant_is_caught\[", n)) for n in nodeids)
 
 
+@needs_the_whole_suite
 def test_readme_counts_are_the_suites(collected):
     everything, quick, gpu = collected
     assert _readme_row("pytest -m quick")[2] == str(len(quick))
@@ -59,12 +67,14 @@ def test_readme_counts_are_the_suites(collected):
     assert f"the PTX mutants ({mutant_count(everything)} deliberate bugs" in runs
 
 
+@needs_the_whole_suite
 def test_every_entry_names_a_collected_test(collected):
     everything, _, _ = collected
     for entry in quick_tier.NOT_QUICK + quick_tier.PTX_QUICK:
         assert any(quick_tier.matches(entry, n) for n in everything), f"tests/quick_tier.py: {entry} matches no test"
 
 
+@needs_the_whole_suite
 def test_every_family_and_every_cuda_kernel_has_quick_tests(collected):
     everything, quick, _ = collected
     assert 0 < len(quick) < len(everything)
