@@ -741,24 +741,6 @@ class Machine:
             raise SimError(f"read of register {name} that is not written on every active thread"
                            + (f" (its value on those threads comes from {origin})" if origin else ""))
 
-    def _decode_propagating(self, r, ins, pc):
-        """A lane-wise instruction whose destination is undefined on the lanes where a source is
-        (for shfl: the source lane's), instead of an error at once."""
-        rec = _DefinednessRecorder(self)
-        kind, fn = ops.decode(rec, r, ins, pc)
-        d = ins.operands[0]
-        dsts = [x.name for x in (d.items if d.kind == "vec" else (d,)) if x.kind == "reg"]
-
-        def propagating(sel, tids):
-            rec.ok, rec.origin = None, None
-            fn(sel, tids)
-            if rec.ok is not None and not rec.ok.all():
-                for x in dsts:
-                    r.reg(x)
-                    r.defined[x][tids] = rec.ok
-                    r.undefined_from[x] = rec.origin
-        return kind, propagating
-
     # decoding ---------------------------------------------------------------------------------
     def decode(self, r, ins: Instr, pc):
         base = ins.opcode.split(".")[0]
@@ -784,3 +766,21 @@ class Machine:
                 elif x in depth:
                     del depth[x]
         return kind, tracked
+
+    def _decode_propagating(self, r, ins, pc):
+        """A lane-wise instruction whose destination is undefined on the lanes where a source is
+        (for shfl: the source lane's), instead of an error at once."""
+        rec = _DefinednessRecorder(self)
+        kind, fn = ops.decode(rec, r, ins, pc)
+        d = ins.operands[0]
+        dsts = [x.name for x in (d.items if d.kind == "vec" else (d,)) if x.kind == "reg"]
+
+        def propagating(sel, tids):
+            rec.ok, rec.origin = None, None
+            fn(sel, tids)
+            if rec.ok is not None and not rec.ok.all():
+                for x in dsts:
+                    r.reg(x)
+                    r.defined[x][tids] = rec.ok
+                    r.undefined_from[x] = rec.origin
+        return kind, propagating
